@@ -1,0 +1,44 @@
+# Two commands do all the set-up on a fresh machine (see README.md):
+#   make demo   - a real 2-rank DDP job on CPU with ddpscope attached and recording
+#   make test   - the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+NPROC ?= 2
+RUNS ?= runs
+
+.PHONY: setup demo test lint bench hooks clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch==2.13.0 is the CPU wheel this machine keeps on disk; an unpinned
+	# torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m ddpscope run --record $(RUNS) -- \
+		$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
+		demos/train.py --epochs 3
+	$(PY) -m ddpscope dump $(RUNS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ddpscope tests demos benchmarks
+	$(VENV)/bin/ruff format --check ddpscope tests demos benchmarks
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) benchmarks/overhead.py
+
+hooks:
+	git config core.hooksPath hooks
+
+clean:
+	rm -rf $(VENV) $(RUNS) .pytest_cache .mypy_cache .ruff_cache

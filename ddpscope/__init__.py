@@ -1,0 +1,41 @@
+"""ddpscope: see inside PyTorch DistributedDataParallel runs.
+
+``import ddpscope`` stays light (no torch, no textual) so that the watcher
+starts fast on a machine without torch; ``attach`` pulls in the rank side
+only when called.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0.dev0"
+
+if TYPE_CHECKING:
+    from ddpscope.hooks.attach import Handle, InertHandle
+
+
+def attach(model: Any, **options: Any) -> Handle | InertHandle:
+    """Stream this rank's telemetry for ``model`` (a DistributedDataParallel).
+
+    Options (keyword arguments) override DDPSCOPE_* environment variables;
+    see docs/configuration.md. Returns a handle; calling twice on the same
+    model returns the same handle.
+    """
+    from ddpscope.hooks.attach import attach as _attach
+
+    return _attach(model, **options)
+
+
+# When torch's DDP is already loaded, catch comm hooks registered before
+# attach() so they can be wrapped (timed) instead of only left alone.
+if "torch.nn.parallel.distributed" in sys.modules:  # pragma: no branch
+    try:
+        from ddpscope.hooks.comm import install_class_shim
+
+        install_class_shim()
+    except Exception:  # never let an import-time nicety break the user's import
+        pass
+
+__all__ = ["__version__", "attach"]

@@ -1,0 +1,3 @@
+from ddpscope.cli.main import main
+
+raise SystemExit(main())

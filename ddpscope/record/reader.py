@@ -1,0 +1,215 @@
+"""Reading record files back: the API report, replay and export build on.
+
+The reader never raises on damage inside a file it recognised: a torn tail,
+a bad CRC or an undecodable record ends (or skips) the read and is listed in
+``problems``. Files that are not ddpscope records at all raise RecordError
+when opened, naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from ddpscope.record.format import (
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_RECORD_BYTES,
+    PREAMBLE,
+    RECORD_HEAD,
+    SUFFIX,
+    U32,
+    RecordError,
+    crc32,
+)
+from ddpscope.schema import Message, SchemaError, decode
+
+
+class RankFile:
+    """One rank's record file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.problems: list[str] = []
+        with open(path, "rb") as f:
+            pre = f.read(PREAMBLE.size)
+            if len(pre) < PREAMBLE.size or not pre.startswith(MAGIC):
+                if len(pre) < len(MAGIC) and MAGIC.startswith(pre):
+                    raise RecordError(f"{path}: empty or cut short before its header")
+                raise RecordError(f"{path}: not a ddpscope record file (starts with {pre[:8]!r})")
+            _, version, _flags, head_len = PREAMBLE.unpack(pre)
+            if version != FORMAT_VERSION:
+                raise RecordError(
+                    f"{path}: record format version {version}; this ddpscope reads "
+                    f"version {FORMAT_VERSION}"
+                )
+            if head_len > MAX_HEADER_BYTES:
+                raise RecordError(f"{path}: header length {head_len} is corrupt")
+            head = f.read(head_len)
+            crc = f.read(U32.size)
+            if len(head) < head_len or len(crc) < U32.size:
+                raise RecordError(f"{path}: cut short inside its header")
+            if U32.unpack(crc)[0] != crc32(head):
+                raise RecordError(f"{path}: header checksum mismatch (file is corrupt)")
+            try:
+                header = msgpack.unpackb(head, raw=False, strict_map_key=True)
+            except Exception as exc:
+                raise RecordError(f"{path}: header is not readable: {exc}") from None
+            if not isinstance(header, dict):
+                raise RecordError(f"{path}: header is not a map")
+            self.header: dict[str, Any] = header
+            self._data_offset = f.tell()
+        self.rank = _int(header.get("rank"), -1)
+        self.run_id = str(header.get("run_id", ""))
+        self.truncated_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"RankFile({self.path!r}, rank={self.rank})"
+
+    def records(self) -> Iterator[bytes]:
+        """Raw payloads, in order. Problems found are appended to ``problems``."""
+        self.problems.clear()
+        self.truncated_bytes = 0
+        with open(self.path, "rb") as f:
+            f.seek(self._data_offset)
+            index = 0
+            while True:
+                pos = f.tell()
+                head = f.read(RECORD_HEAD.size)
+                if not head:
+                    return
+                if len(head) < RECORD_HEAD.size:
+                    self._truncated(f, pos, index)
+                    return
+                length, crc = RECORD_HEAD.unpack(head)
+                if length > MAX_RECORD_BYTES:
+                    self.problems.append(
+                        f"{self.path}: record {index} at byte {pos} claims {length} bytes; "
+                        "stopped reading (corrupt)"
+                    )
+                    return
+                payload = f.read(length)
+                if len(payload) < length:
+                    self._truncated(f, pos, index)
+                    return
+                if crc32(payload) != crc:
+                    self.problems.append(
+                        f"{self.path}: record {index} at byte {pos} fails its checksum; "
+                        "stopped reading (corrupt)"
+                    )
+                    return
+                index += 1
+                yield payload
+
+    def _truncated(self, f: Any, pos: int, index: int) -> None:
+        end = f.seek(0, os.SEEK_END)
+        self.truncated_bytes = end - pos
+        self.problems.append(
+            f"{self.path}: truncated tail after record {index - 1} "
+            f"({self.truncated_bytes} bytes of a partial record ignored; the rank was "
+            "probably killed mid-write)"
+        )
+
+    def messages(self) -> Iterator[Message]:
+        """Decoded messages; undecodable records are skipped and reported."""
+        for i, payload in enumerate(self.records()):
+            try:
+                yield decode(payload)
+            except SchemaError as exc:
+                self.problems.append(f"{self.path}: record {i} skipped: {exc}")
+
+
+@dataclass
+class RunDir:
+    """One run's directory: a file per rank process."""
+
+    path: str
+    run_id: str
+    files: list[RankFile] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def started_wall_ns(self) -> int:
+        return min((_int(f.header.get("wall_ns"), 0) for f in self.files), default=0)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({f.rank for f in self.files})
+
+
+@dataclass
+class Recording:
+    """A run read into memory, messages grouped by rank."""
+
+    run: RunDir
+    messages: dict[int, list[Message]]
+    problems: list[str]
+
+
+def _scan_run(path: str) -> RunDir:
+    run = RunDir(path=path, run_id=os.path.basename(path.rstrip(os.sep)))
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if not name.endswith(SUFFIX) or not os.path.isfile(full):
+            continue
+        try:
+            rf = RankFile(full)
+        except (RecordError, OSError) as exc:
+            run.problems.append(str(exc))
+            continue
+        if rf.run_id:
+            run.run_id = rf.run_id
+        run.files.append(rf)
+    return run
+
+
+def find_runs(directory: str) -> list[RunDir]:
+    """Runs under ``directory`` (or ``directory`` itself if it is a run), oldest first."""
+    if not os.path.isdir(directory):
+        raise RecordError(f"{directory}: no such directory")
+    own = [n for n in os.listdir(directory) if n.endswith(SUFFIX)]
+    if own:
+        runs = [_scan_run(directory)]
+    else:
+        runs = [
+            _scan_run(os.path.join(directory, n))
+            for n in sorted(os.listdir(directory))
+            if os.path.isdir(os.path.join(directory, n))
+        ]
+    found = [r for r in runs if r.files or r.problems]
+    if not found:
+        raise RecordError(f"{directory}: holds no ddpscope recording")
+    found.sort(key=lambda r: (r.started_wall_ns, r.path))
+    return found
+
+
+def open_run(directory: str, run_id: str | None = None) -> Recording:
+    """Read a run (the newest under ``directory`` unless ``run_id`` is given)."""
+    runs = find_runs(directory)
+    if run_id is not None:
+        chosen = [r for r in runs if r.run_id == run_id or os.path.basename(r.path) == run_id]
+        if not chosen:
+            names = ", ".join(r.run_id for r in runs)
+            raise RecordError(f"{directory}: no run {run_id!r} (found: {names})")
+        run = chosen[0]
+    else:
+        run = runs[-1]
+    if not run.files:
+        raise RecordError(f"{run.path}: no readable rank file: " + "; ".join(run.problems))
+    messages: dict[int, list[Message]] = {}
+    problems = list(run.problems)
+    for rf in run.files:
+        messages.setdefault(rf.rank, []).extend(rf.messages())
+        problems.extend(rf.problems)
+    for msgs in messages.values():
+        msgs.sort(key=lambda m: m.seq)
+    return Recording(run=run, messages=messages, problems=problems)
+
+
+def _int(value: Any, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default

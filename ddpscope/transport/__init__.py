@@ -1,0 +1,1 @@
+"""ZeroMQ plumbing shared by ranks, relays and the watcher (no torch here)."""

@@ -1,0 +1,54 @@
+"""Options: keyword beats environment beats default; bad values fail clearly."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ddpscope.config import OPTIONS, ConfigError, Options, derive_control_endpoint, load
+
+
+def test_defaults_are_loopback_and_automatic_checksums() -> None:
+    opts = load(env={})
+    assert opts.endpoint.startswith("tcp://127.0.0.1:")
+    assert opts.checksum_every == 0 and not opts.disable and opts.record == ""
+
+
+def test_environment_is_read_and_keywords_win() -> None:
+    env = {"DDPSCOPE_CHECKSUM_EVERY": "10", "DDPSCOPE_RECORD": "/tmp/x", "DDPSCOPE_DISABLE": "0"}
+    opts = load({"checksum_every": 3}, env=env)
+    assert opts.checksum_every == 3 and opts.record == "/tmp/x" and opts.disable is False
+
+
+def test_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="DDPSCOPE_HEARTBEAT_S"):
+        load(env={"DDPSCOPE_HEARTBEAT_S": "fast"})
+    with pytest.raises(ConfigError, match="DDPSCOPE_DISABLE"):
+        load(env={"DDPSCOPE_DISABLE": "maybe"})
+
+
+def test_unknown_keyword_lists_known_options() -> None:
+    with pytest.raises(TypeError, match="unknown option 'checksums'.*checksum_every"):
+        load({"checksums": 1}, env={})
+
+
+def test_out_of_range_values_are_rejected() -> None:
+    with pytest.raises(ConfigError):
+        load({"checksum_budget": 2.0}, env={})
+    with pytest.raises(ConfigError):
+        load({"endpoint": "udp://x:1"}, env={})
+
+
+def test_control_endpoint_is_derived_from_the_data_endpoint() -> None:
+    assert derive_control_endpoint("tcp://127.0.0.1:5557") == "tcp://127.0.0.1:5558"
+    assert derive_control_endpoint("ipc:///tmp/s") == "ipc:///tmp/s.control"
+
+
+def test_every_option_has_a_variable_and_is_documented() -> None:
+    names = {f.name for f in dataclasses.fields(Options)}
+    assert names == set(OPTIONS)
+    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    for var, _ in OPTIONS.values():
+        assert var in doc, f"{var} missing from docs/configuration.md"
