@@ -1,0 +1,308 @@
+"""The one background thread of a rank: encode, record, send, heartbeat.
+
+Hooks on the training path call :meth:`Publisher.post`, which appends a tuple
+to a bounded deque or counts a drop: no lock, no encoding, no I/O. This
+thread owns the ZeroMQ sockets and the record file; it wakes every tick,
+turns queued items into wire messages, writes each to the record file and
+sends it without blocking. It also sends heartbeats and host stats, re-sends
+run info for late watchers, answers the watcher's requests, and sends the
+Python stacks of a rank stuck in one phase.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from ddpscope.config import Options
+from ddpscope.hooks.host import HostProbe
+from ddpscope.hooks.stacks import all_thread_stacks
+from ddpscope.record.writer import RecordWriter
+from ddpscope.schema import REQUESTS, Request, SchemaError, decode, encode_fields
+from ddpscope.transport.sockets import rank_control, rank_publisher
+
+log = logging.getLogger("ddpscope")
+
+#: Turns a queued payload into message fields; returns None while it cannot
+#: yet (CUDA events not complete). ``force`` asks for whatever is known.
+Finisher = Callable[[Any, bool], "dict[str, Any] | None"]
+#: Produces (kind, model, fields) to re-send periodically, e.g. run info.
+Periodic = Callable[[], "list[tuple[str, int, dict[str, Any]]]"]
+
+TICK_S = 0.05
+#: A payload whose finisher is still not ready after this long is forced out.
+FORCE_AFTER_NS = 10_000_000_000
+
+
+class RankState:
+    """What the training thread is doing. Written by hooks, read by heartbeats.
+
+    Plain attribute writes are atomic under the GIL, which is all the
+    heartbeat needs: a consistent-enough view, never a lock on the hot path.
+    """
+
+    __slots__ = ("bucket", "join_shadow", "phase", "since_ns", "step")
+
+    def __init__(self) -> None:
+        self.phase = "idle"
+        self.since_ns = time.monotonic_ns()
+        self.step = 0
+        self.bucket = -1
+        self.join_shadow = 0
+
+    def enter(self, phase: str) -> None:
+        if phase != self.phase:
+            self.phase = phase
+            self.since_ns = time.monotonic_ns()
+
+
+class Publisher:
+    def __init__(
+        self,
+        opts: Options,
+        run_id: str,
+        rank: int,
+        header: dict[str, Any],
+        host: HostProbe | None = None,
+    ) -> None:
+        self.opts = opts
+        self.run_id = run_id
+        self.rank = rank
+        self.state = RankState()
+        self._queue: collections.deque[tuple[str, int, Any, Finisher | None, int]] = (
+            collections.deque()
+        )
+        self._cap = opts.queue_size
+        self._alive = True
+        self._stop = threading.Event()
+        self._periodic: list[Periodic] = []
+        self._handlers: dict[str, Callable[[], None]] = {}
+        self._host = host or HostProbe()
+        self._seq = 0
+        self.sent = 0
+        self.dropped_queue = 0
+        self.dropped_send = 0
+        self.rejected_requests = 0
+        self.error = ""
+        self._stuck_key: tuple[str, int] | None = None
+        self._writer: RecordWriter | None = None
+        if opts.record:
+            self._writer = RecordWriter(opts.record, run_id, rank, header)
+        self._ctx = zmq.Context()
+        self._pub = rank_publisher(self._ctx, opts.endpoint, opts.sndhwm)
+        self._ctl = rank_control(self._ctx, opts.resolved_control_endpoint())
+        self._thread = threading.Thread(target=self._run, name="ddpscope-publisher", daemon=True)
+        _register_fork_guard(self)
+
+    @property
+    def record_path(self) -> str | None:
+        return self._writer.path if self._writer else None
+
+    # --- called from the training side -------------------------------------
+
+    def post(self, kind: str, model: int, payload: Any, finisher: Finisher | None = None) -> None:
+        """Queue an item for sending. Never blocks; counts a drop when full."""
+        if not self._alive:
+            return
+        q = self._queue
+        if len(q) >= self._cap:
+            self.dropped_queue += 1
+            return
+        q.append((kind, model, payload, finisher, time.monotonic_ns()))
+
+    def add_periodic(self, fn: Periodic) -> None:
+        self._periodic.append(fn)
+
+    def on_request(self, what: str, handler: Callable[[], None]) -> None:
+        self._handlers[what] = handler
+
+    def start(self) -> None:
+        self._thread.start()
+        atexit.register(self.close, "exit")
+
+    # --- the thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            now = time.monotonic()
+            next_beat = now
+            next_resend = now
+            poller = zmq.Poller()
+            poller.register(self._ctl, zmq.POLLIN)
+            while not self._stop.is_set():
+                if poller.poll(int(TICK_S * 1000)):
+                    self._serve_requests()
+                self._drain(force=False)
+                now = time.monotonic()
+                if now >= next_resend:
+                    next_resend = now + self.opts.resend_s
+                    self._resend()
+                if now >= next_beat:
+                    next_beat = now + self.opts.heartbeat_s
+                    self._heartbeat()
+        except Exception as exc:  # never let an error reach training
+            self._fail(exc)
+
+    def _drain(self, force: bool) -> None:
+        q = self._queue
+        now = time.monotonic_ns()
+        while q:
+            kind, model, payload, finisher, born = q[0]
+            if finisher is None:
+                fields = payload
+            else:
+                fields = finisher(payload, force or now - born > FORCE_AFTER_NS)
+                if fields is None:
+                    return  # keep order: later items wait for this one
+            q.popleft()
+            fields.setdefault("t", born)
+            self._emit(kind, model, fields, record=True)
+
+    def _emit(self, kind: str, model: int, fields: dict[str, Any], record: bool) -> None:
+        fields["run"] = self.run_id
+        fields["rank"] = self.rank
+        fields["model"] = model
+        fields["seq"] = self._seq
+        fields.setdefault("t", time.monotonic_ns())
+        self._seq += 1
+        payload = encode_fields(kind, fields)
+        if record and self._writer is not None:
+            self._writer.append(payload)
+        try:
+            self._pub.send(payload, zmq.DONTWAIT)
+            self.sent += 1
+        except zmq.Again:
+            self.dropped_send += 1
+
+    def _resend(self) -> None:
+        for fn in self._periodic:
+            for kind, model, fields in fn():
+                self._emit(kind, model, fields, record=False)
+
+    def _heartbeat(self) -> None:
+        st = self.state
+        mono = time.monotonic_ns()
+        in_phase = (mono - st.since_ns) / 1e9
+        fields: dict[str, Any] = {
+            "phase": st.phase,
+            "step": st.step,
+            "bucket": st.bucket,
+            "in_phase_s": in_phase,
+            "sent": self.sent,
+            "dropped_queue": self.dropped_queue,
+            "dropped_send": self.dropped_send,
+            "join_shadow": st.join_shadow,
+            "wall_ns": time.time_ns(),
+            "t": mono,
+        }
+        fields.update(self._host.sample())
+        self._emit("heartbeat", 0, fields, record=True)
+        busy = st.phase not in ("idle", "exited")
+        key = (st.phase, st.since_ns)
+        if busy and in_phase >= self.opts.stacks_after_s and self._stuck_key != key:
+            self._stuck_key = key
+            self.send_stacks("stuck")
+
+    def send_stacks(self, reason: str) -> None:
+        st = self.state
+        fields = {
+            "reason": reason,
+            "phase": st.phase,
+            "step": st.step,
+            "threads": all_thread_stacks(skip_ident=threading.get_ident()),
+        }
+        self._emit("stacks", 0, fields, record=True)
+
+    def _serve_requests(self) -> None:
+        for _ in range(16):  # bounded: a flood cannot starve the rest of the loop
+            try:
+                raw = self._ctl.recv(zmq.DONTWAIT)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(raw)
+            except SchemaError:
+                self.rejected_requests += 1
+                continue
+            if not isinstance(msg, Request) or msg.what not in REQUESTS:
+                self.rejected_requests += 1
+                continue
+            if msg.target not in (-1, self.rank) or msg.run not in ("", self.run_id):
+                continue
+            if msg.what == "stacks":
+                self.send_stacks("request")
+            handler = self._handlers.get(msg.what)
+            if handler is not None:
+                handler()
+
+    # --- shutdown and failure ----------------------------------------------
+
+    def close(self, reason: str = "close", error: str = "") -> None:
+        """Flush what is queued (bounded time), send an end message, close."""
+        if not self._alive:
+            return
+        self._alive = False
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+            if self._thread.is_alive():
+                return  # wedged on I/O: leave the sockets to it rather than race
+        try:
+            self._drain(force=True)
+            self._emit("end", 0, {"reason": reason, "step": self.state.step, "error": error}, True)
+        except Exception:  # exit must never fail because of ddpscope
+            pass
+        self._shutdown_io()
+
+    def _shutdown_io(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._ctx.destroy(linger=0)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "ddpscope disabled on rank %d after an internal error: %s", self.rank, self.error
+        )
+        self._alive = False
+        try:
+            self._emit(
+                "end", 0, {"reason": "disabled", "step": self.state.step, "error": self.error}, True
+            )
+        except Exception:
+            pass
+        self._shutdown_io()
+
+    def _forget_in_child(self) -> None:
+        # A forked child (DataLoader worker) must never touch the parent's
+        # socket, context or file: libzmq asserts, and records would interleave.
+        self._alive = False
+        if self._writer is not None:
+            self._writer.abandon()
+        _ORPHANS.append(self)  # keep alive so no finaliser runs in the child
+
+
+_PUBLISHERS: list[Publisher] = []
+_ORPHANS: list[Publisher] = []
+
+
+def _register_fork_guard(pub: Publisher) -> None:
+    _PUBLISHERS.append(pub)
+
+
+def _after_fork_in_child() -> None:
+    for pub in _PUBLISHERS:
+        pub._forget_in_child()
+    _PUBLISHERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
