@@ -205,7 +205,9 @@ class Publisher:
         }
         fields.update(self._host.sample())
         self._emit("heartbeat", 0, fields, record=True)
-        busy = st.phase not in ("idle", "exited")
+        # Any phase can hang, user code ("idle") included: a rank asleep there
+        # is exactly the one the others wait for.
+        busy = st.phase != "exited"
         key = (st.phase, st.since_ns)
         if busy and in_phase >= self.opts.stacks_after_s and self._stuck_key != key:
             self._stuck_key = key
@@ -257,6 +259,8 @@ class Publisher:
                 return  # wedged on I/O: leave the sockets to it rather than race
         try:
             self._drain(force=True)
+            self.state.enter("exited")
+            self._heartbeat()  # final counters (drops, join shadows) into the record
             self._emit("end", 0, {"reason": reason, "step": self.state.step, "error": error}, True)
         except Exception:  # exit must never fail because of ddpscope
             pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from types import FrameType
 from typing import Any
 
 MAX_FRAMES = 64
@@ -21,7 +22,7 @@ def all_thread_stacks(skip_ident: int | None = None) -> list[dict[str, Any]]:
         if ident == skip_ident:
             continue
         frames: list[list[Any]] = []
-        f = frame
+        f: FrameType | None = frame
         while f is not None and len(frames) < MAX_FRAMES:
             code = f.f_code
             frames.append([code.co_filename, f.f_lineno or 0, code.co_name])

@@ -1,0 +1,350 @@
+"""``ddpscope.attach(model)``: wire every probe to one DDP model.
+
+One :class:`_Process` per rank process holds what is shared by all attached
+models (publisher thread, sampler probe, global optimizer hooks); one
+:class:`Handle` per DDP model holds its step tracker and fingerprinter.
+
+Nothing here may raise into the training loop once attach has returned:
+every hook runs behind a guard that disables ddpscope on the rank with one
+warning if ddpscope itself fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ddpscope import config
+from ddpscope.config import ConfigError, Options
+from ddpscope.hooks import comm, runinfo
+from ddpscope.hooks.clocks import clock_for
+from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
+from ddpscope.hooks.host import HostProbe
+from ddpscope.hooks.publisher import Publisher
+from ddpscope.hooks.samplers import SamplerProbe
+from ddpscope.hooks.steps import StepTracker
+from ddpscope.schema import SCHEMA_VERSION
+
+log = logging.getLogger("ddpscope")
+
+_LOCK = threading.Lock()
+_HANDLES: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
+_PROCESS: _Process | None = None
+
+
+def _device_memory_for(device: str) -> Callable[[], tuple[int, int]]:
+    if not device.startswith("cuda"):
+        return lambda: (-1, -1)
+    dev = torch.device(device)
+
+    def read() -> tuple[int, int]:
+        return (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
+
+    return read
+
+
+class _Process:
+    """Per-process state shared by every attached model."""
+
+    def __init__(self, opts: Options, model: Any) -> None:
+        self.opts = opts
+        self.run_id = runinfo.resolve_run_id(opts)
+        topo = runinfo.topology()
+        self.rank = topo["rank"]
+        self.started_wall_ns = time.time_ns()
+        anchor = runinfo.clock_anchor()
+        header = {
+            "run_id": self.run_id,
+            "rank": self.rank,
+            "world_size": topo["world_size"],
+            "host": runinfo.socket.gethostname(),
+            "pid": runinfo.os.getpid(),
+            "schema_version": SCHEMA_VERSION,
+            "versions": runinfo.versions(),
+            **anchor,
+        }
+        host = HostProbe(_device_memory_for(runinfo.device_of(model)))
+        self.publisher = Publisher(opts, self.run_id, self.rank, header, host)
+        self.handles: list[Handle] = []
+        self.sampler_probe = SamplerProbe(
+            post=lambda kind, fields: self.publisher.post(kind, 0, fields),
+            current_step=lambda: self.publisher.state.step,
+            training=self._training,
+        )
+        self.sampler_probe.install()
+        self._opt_hooks = [
+            register_optimizer_step_pre_hook(self._optimizer_pre),
+            register_optimizer_step_post_hook(self._optimizer_post),
+        ]
+        self.publisher.add_periodic(self._periodic)
+        self.publisher.on_request("fingerprint", self._request_fingerprint)
+        self._excepthook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+        self.publisher.start()
+        # atexit runs handlers last-in first-out: this one before the publisher closes.
+        import atexit
+
+        atexit.register(self.finish)
+
+    def _training(self) -> bool:
+        return torch.is_grad_enabled() and any(h.model.training for h in self.handles)
+
+    def _periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
+        out: list[tuple[str, int, dict[str, Any]]] = []
+        for h in self.handles:
+            out.extend(h.periodic())
+        return out
+
+    def _request_fingerprint(self) -> None:
+        for h in self.handles:
+            h.fingerprinter.request()
+
+    def _optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        for h in self.handles:
+            h.guard(h.tracker.optimizer_pre, opt)
+
+    def _optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        for h in self.handles:
+            h.guard(h.tracker.optimizer_post, opt)
+
+    def _on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+        try:
+            self.finish(reason="exception", error=text)
+        finally:
+            self._excepthook(exc_type, exc, tb)
+
+    def finish(self, reason: str = "exit", error: str = "") -> None:
+        for h in self.handles:
+            h.finish()
+        try:
+            self.sampler_probe.flush()
+            self.sampler_probe.uninstall()
+        except Exception:
+            pass
+        for hook in self._opt_hooks:
+            hook.remove()
+        self.publisher.close(reason, error)
+
+
+class Handle:
+    """What ``attach`` returns: the live link between one DDP model and ddpscope."""
+
+    def __init__(self, model: Any, proc: _Process, index: int) -> None:
+        self.model = model
+        self.index = index
+        self._proc = proc
+        self.publisher = proc.publisher
+        self.run_id = proc.run_id
+        self.rank = proc.rank
+        self.error = ""
+        opts = proc.opts
+        named = list(model.module.named_parameters())
+        self.param_names = [n for n, _ in named]
+        self.fingerprinter = Fingerprinter(
+            [p for _, p in named],
+            [b for _, b in model.module.named_buffers()],
+            every=opts.checksum_every,
+            budget=opts.checksum_budget,
+        )
+        device_type = runinfo.device_of(model).split(":")[0]
+        self.tracker = StepTracker(
+            model,
+            index,
+            clock_for(device_type),
+            proc.publisher,
+            {id(p): i for i, (_, p) in enumerate(named)},
+            on_step_end=self._on_step_end,
+            sampler_state=lambda: (proc.sampler_probe.last_epoch, proc.sampler_probe.last_pass),
+        )
+        self._info = runinfo.run_info_fields(model, opts, proc.started_wall_ns)
+        self._hparams_key: Any = None
+        self._hparams: list[dict[str, Any]] = []
+        self._hooks = [
+            model.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
+            model.register_forward_hook(self._guarded(self.tracker.forward_post)),
+        ]
+        self.comm = comm.wrap(model)
+        if self.comm is not None:
+            self.comm.tracker = self.tracker
+        self.publisher.post("run_info", index, self._run_info())
+        if opts.checksum_every != -1:
+            self.guard(self.fingerprinter.start, 0, "initial")
+            self.publisher.post("fingerprint", index, None, self._finish_fingerprint)
+
+    @property
+    def enabled(self) -> bool:
+        return self.tracker.enabled
+
+    @property
+    def step(self) -> int:
+        return self.tracker.step
+
+    @property
+    def record_path(self) -> str | None:
+        return self.publisher.record_path
+
+    def __repr__(self) -> str:
+        return f"<ddpscope.Handle run={self.run_id} rank={self.rank} model={self.index}>"
+
+    def request_fingerprint(self) -> None:
+        """Fingerprint the weights after the next optimizer step."""
+        self.fingerprinter.request()
+
+    def close(self) -> None:
+        """Stop publishing for the whole process (flushes what is queued)."""
+        self._proc.finish(reason="close")
+
+    # --- internals -----------------------------------------------------------
+
+    def _guarded(self, fn: Callable[..., None]) -> Callable[..., None]:
+        tracker = self.tracker
+
+        def hook(*args: Any) -> None:
+            try:
+                fn(*args)
+            except Exception as exc:
+                tracker.fail(exc)
+
+        return hook
+
+    def guard(self, fn: Callable[..., Any], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.tracker.fail(exc)
+
+    def _run_info(self) -> dict[str, Any]:
+        fields = dict(self._info)
+        fields.update(runinfo.clock_anchor())
+        return fields
+
+    def periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
+        out = [("run_info", self.index, self._run_info())]
+        if self.tracker.layout_gen:
+            out.append(("buckets", self.index, self.tracker.layout_fields()))
+        if self._hparams:
+            out.append(("hparams", self.index, {"step": self.step, "optimizers": self._hparams}))
+        return out
+
+    def _on_step_end(self, step: int) -> None:
+        opts = list(self.tracker.optimizers.values())
+        key = hparams_key(opts)
+        if key != self._hparams_key:
+            self._hparams_key = key
+            self._hparams = hparams(opts)
+            self.publisher.post("hparams", self.index, {"step": step, "optimizers": self._hparams})
+        fp = self.fingerprinter
+        if fp.due(step, self.tracker.median_step_ns()):
+            fp.start(step, fp.pending_reason)
+            self.publisher.post("fingerprint", self.index, None, self._finish_fingerprint)
+
+    def _finish_fingerprint(self, _payload: Any, force: bool) -> dict[str, Any] | None:
+        return self.fingerprinter.poll(force)
+
+    def finish(self) -> None:
+        if not self.tracker.enabled:
+            return
+        self.guard(self.tracker.flush)
+        if self.fingerprinter.every != -1:
+            self.guard(self.fingerprinter.start, self.step, "final")
+            self.publisher.post("fingerprint", self.index, None, self._finish_fingerprint)
+        for h in self._hooks:
+            h.remove()
+        self.tracker.enabled = False
+
+
+class InertHandle:
+    """Returned when ddpscope is disabled: same surface, does nothing."""
+
+    enabled = False
+    step = 0
+    record_path = None
+    run_id = ""
+    rank = -1
+    error = ""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"<ddpscope.Handle disabled: {self.reason}>"
+
+    def request_fingerprint(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _check_model(model: Any) -> None:
+    if isinstance(model, DistributedDataParallel):
+        return
+    if isinstance(model, DataParallel):
+        raise TypeError(
+            "ddpscope.attach() got torch.nn.DataParallel, which runs one process on several "
+            "GPUs; ddpscope watches DistributedDataParallel, one process per GPU. Launch with "
+            "torchrun, call torch.distributed.init_process_group(), and wrap with "
+            "DistributedDataParallel(model, device_ids=[local_rank]) instead."
+        )
+    raise TypeError(
+        f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model, got "
+        f"{_type_name(model)}. Wrap the model first: model = DistributedDataParallel(model); "
+        "ddpscope.attach(model)."
+    )
+
+
+def attach(model: Any, **options: Any) -> Handle | InertHandle:
+    """Attach ddpscope to a DDP model. Safe to call twice (returns the same handle)."""
+    global _PROCESS
+    _check_model(model)
+    opts = config.load(options)  # bad options are the caller's error: raise them
+    with _LOCK:
+        existing = _HANDLES.get(model)
+        if existing is not None:
+            return existing
+        if opts.disable:
+            return InertHandle("DDPSCOPE_DISABLE is set")
+        try:
+            if _PROCESS is None or not _PROCESS.publisher._alive:
+                _PROCESS = _Process(opts, model)
+            handle = Handle(model, _PROCESS, len(_PROCESS.handles))
+            _PROCESS.handles.append(handle)
+        except (ConfigError, TypeError):
+            raise
+        except Exception as exc:
+            log.warning("ddpscope could not attach and is off on this rank: %r", exc)
+            return InertHandle(f"attach failed: {exc!r}")
+        _HANDLES[model] = handle
+        return handle
+
+
+def current_handles() -> list[Handle]:
+    return list(_PROCESS.handles) if _PROCESS is not None else []
+
+
+def _reset_for_tests() -> None:
+    global _PROCESS
+    if _PROCESS is not None:
+        _PROCESS.finish(reason="close")
+    _PROCESS = None
+    _HANDLES.clear()

@@ -1,0 +1,139 @@
+"""Timing each gradient bucket's all-reduce by wrapping DDP's comm hook.
+
+DDP has one comm-hook slot, and compression hooks (fp16, bf16, PowerSGD) live
+in it too, so ddpscope never takes the slot from the user: it registers a thin
+wrapper whose inner hook is the user's (or DDP's default all-reduce), and
+reroutes later ``register_comm_hook`` calls on the instance into that wrapper.
+
+The wrapper stamps the clock when the bucket is handed over and again in the
+Future's ``then`` callback: on gloo that callback runs when the reduction is
+done; on NCCL it runs once the work is enqueued on the stream, which is why
+the stamp there is a CUDA event read later, never a host time.
+"""
+
+# No ``from __future__ import annotations`` here: DDP inspects the hook's
+# annotations and rejects string ones.
+
+import functools
+import logging
+from typing import Any
+
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+log = logging.getLogger("ddpscope")
+
+_STATE_ATTR = "_ddpscope_comm"
+_original_register = DistributedDataParallel.register_comm_hook
+
+
+class HookState:
+    """What the registered wrapper calls into; one per DDP model."""
+
+    __slots__ = ("inner", "inner_state", "tracker", "user_registered")
+
+    def __init__(self, inner: Any, inner_state: Any) -> None:
+        self.inner = inner
+        self.inner_state = inner_state
+        self.tracker: Any = None
+        self.user_registered = False
+
+
+def _bucket_done(ends, pos, stamp, fut):
+    ends[pos] = stamp()
+    return fut.value()
+
+
+def timed_hook(state, bucket):
+    tracker = state.tracker
+    if tracker is None:
+        return state.inner(state.inner_state, bucket)
+    slot = tracker.bucket_start(bucket)
+    fut = state.inner(state.inner_state, bucket)
+    if slot is None:
+        return fut
+    ends, pos = slot
+    return fut.then(functools.partial(_bucket_done, ends, pos, tracker.clock.stamp))
+
+
+_BUILTIN = {
+    "ALLREDUCE": default_hooks.allreduce_hook,
+    "FP16_COMPRESS": default_hooks.fp16_compress_hook,
+}
+
+
+def _reroute(model: Any, hs: HookState) -> None:
+    """Send the instance's later registrations into the wrapper."""
+
+    def register_comm_hook(state: object, hook: Any) -> None:
+        if hs.user_registered:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once."
+            )
+        model._check_comm_hook(hook)
+        hs.inner, hs.inner_state, hs.user_registered = hook, state, True
+        model._comm_hooks.append((hook, state))
+        if getattr(model, "logger", None) is not None:
+            model.logger._set_comm_hook_name(getattr(hook, "__qualname__", str(hook)))
+
+    def register_builtin(comm_hook_type: Any) -> None:
+        name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]
+        hook = _BUILTIN.get(name)
+        if hook is None:
+            raise RuntimeError(f"ddpscope cannot wrap builtin comm hook {comm_hook_type}")
+        register_comm_hook(model.process_group, hook)
+
+    model.register_comm_hook = register_comm_hook
+    model._register_builtin_comm_hook = register_builtin
+
+
+def _register(model: Any) -> HookState:
+    hs = HookState(default_hooks.allreduce_hook, model.process_group)
+    _original_register(model, hs, timed_hook)
+    model._comm_hooks.pop()  # keep DDP's list to what the user registered
+    setattr(model, _STATE_ATTR, hs)
+    _reroute(model, hs)
+    return hs
+
+
+def wrap(model: Any) -> HookState | None:
+    """Install the timing wrapper; None when the slot was taken before we came."""
+    hs = getattr(model, _STATE_ATTR, None)
+    if hs is not None:
+        return hs
+    if getattr(model, "_comm_hooks", None):
+        hook = model._comm_hooks[-1][0]
+        log.warning(
+            "ddpscope: comm hook %s was registered before ddpscope could wrap it; it keeps "
+            "working, but per-bucket all-reduce timing is off for this model. Import ddpscope "
+            "before registering the hook, call ddpscope.attach(model) first, or use "
+            "`ddpscope run`.",
+            getattr(hook, "__qualname__", hook),
+        )
+        return None
+    return _register(model)
+
+
+def _early_register(self: Any, state: object, hook: Any) -> None:
+    # A registration before attach: slot the wrapper in now, with the user's
+    # hook inside, so that attach finds it ready.
+    hs = getattr(self, _STATE_ATTR, None)
+    if hs is None and not getattr(self, "_comm_hooks", None):
+        hs = _register(self)
+    if hs is None:
+        _original_register(self, state, hook)
+        return
+    self.register_comm_hook(state, hook)
+
+
+def install_class_shim() -> None:
+    """Catch registrations made before attach (idempotent)."""
+    if DistributedDataParallel.register_comm_hook is not _early_register:
+        DistributedDataParallel.register_comm_hook = _early_register  # type: ignore[method-assign]
+
+
+def uninstall_class_shim() -> None:
+    DistributedDataParallel.register_comm_hook = _original_register  # type: ignore[method-assign]
+
+
+__all__ = ["HookState", "install_class_shim", "timed_hook", "uninstall_class_shim", "wrap"]

@@ -1,0 +1,132 @@
+"""Who this rank is: run id, topology, versions, DDP settings, model layout."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ddpscope
+from ddpscope.config import Options
+
+_RUN_ID_KEY = "ddpscope/run_id"
+
+
+def _store_agreed_id(candidate: str) -> str | None:
+    """First rank to ask wins; the others read its id. No collective, no wait."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        agreed = store.compare_set(_RUN_ID_KEY, "", candidate)
+    except Exception:
+        return None
+    text = agreed.decode() if isinstance(agreed, bytes) else str(agreed)
+    return text or None
+
+
+def resolve_run_id(opts: Options, env: dict[str, str] | None = None) -> str:
+    env = dict(os.environ) if env is None else env
+    restart = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if opts.run_id:
+        base = opts.run_id
+    else:
+        candidate = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+        base = ""
+        if dist.is_available() and dist.is_initialized():
+            base = _store_agreed_id(candidate) or ""
+        if not base:
+            elastic = env.get("TORCHELASTIC_RUN_ID", "")
+            base = f"torchelastic-{elastic}" if elastic and elastic != "none" else candidate
+    return base if restart in ("", "0") else f"{base}-r{restart}"
+
+
+def topology() -> dict[str, int]:
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank = int(os.environ.get("RANK", "0"))
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    return {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    }
+
+
+def versions() -> dict[str, str]:
+    return {
+        "ddpscope": ddpscope.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def ddp_settings(model: Any) -> dict[str, Any]:
+    return {
+        "bucket_cap_bytes": int(getattr(model, "bucket_bytes_cap", -1)),
+        "find_unused_parameters": bool(getattr(model, "find_unused_parameters", False)),
+        "static_graph": bool(getattr(model, "static_graph", False)),
+        "broadcast_buffers": bool(getattr(model, "broadcast_buffers", False)),
+        "gradient_as_bucket_view": bool(getattr(model, "gradient_as_bucket_view", False)),
+    }
+
+
+def backend_of(model: Any) -> str:
+    try:
+        return str(dist.get_backend(model.process_group))
+    except Exception:
+        return "unknown"
+
+
+def device_of(model: Any) -> str:
+    for p in model.parameters():
+        return str(p.device)
+    return "cpu"
+
+
+def layout(model: Any) -> tuple[list[list[Any]], list[list[Any]]]:
+    params = [
+        [name, list(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad)]
+        for name, p in model.module.named_parameters()
+    ]
+    buffers = [
+        [name, list(b.shape), str(b.dtype).replace("torch.", "")]
+        for name, b in model.module.named_buffers()
+    ]
+    return params, buffers
+
+
+def run_info_fields(model: Any, opts: Options, started_wall_ns: int) -> dict[str, Any]:
+    topo = topology()
+    params, buffers = layout(model)
+    return {
+        "local_rank": topo["local_rank"],
+        "world_size": topo["world_size"],
+        "local_world_size": topo["local_world_size"],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "backend": backend_of(model),
+        "device": device_of(model),
+        "versions": versions(),
+        "ddp": ddp_settings(model),
+        "params": params,
+        "buffers": buffers,
+        "started_wall_ns": started_wall_ns,
+        "options": {k: v for k, v in vars(opts).items() if isinstance(v, (int, float, str, bool))},
+    }
+
+
+def clock_anchor() -> dict[str, int]:
+    """A wall/monotonic pair sampled back to back (the watcher's timeline key)."""
+    mono = time.monotonic_ns()
+    wall = time.time_ns()
+    return {"wall_ns": wall, "mono_ns": mono}

@@ -1,0 +1,378 @@
+"""Cutting training into steps and phases, from hooks DDP and autograd offer.
+
+A step is one synchronising backward (all-reduce) and the optimizer work
+after it. Its phases:
+
+- data: from the end of the previous phase to the start of a forward;
+- forward: the DDP module's forward pre-hook to its post-hook;
+- backward: the first gradient reaching the forward's outputs to the end of
+  autograd's work (a final callback queued from there runs before DDP's own
+  finalisation);
+- all-reduce wait: from there until DDP's finalisation has waited for every
+  bucket (a callback queued by the previous one runs after DDP's);
+- optimizer: the global optimizer step pre/post hooks, for optimizers that
+  hold this model's parameters;
+- other: the rest (loss, clipping, logging, evaluation without grad).
+
+Counting survives the usual tricks: ``no_sync()`` micro-batches run backward
+without an all-reduce and stay in the step; a step GradScaler skips (no
+optimizer call) is closed at the next forward with ``optimizer_steps == 0``;
+all-reduces a rank shadows under ``Join`` after running out of data are
+counted apart and never open a step.
+
+The hot path only stamps the clock and appends small tuples; turning tokens
+into figures happens in :meth:`StepTracker.finish`, on the publisher thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ddpscope.hooks.clocks import Clock
+from ddpscope.hooks.publisher import Publisher
+
+log = logging.getLogger("ddpscope")
+
+DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, EVAL = range(6)
+_PHASE_FIELD = {
+    FORWARD: "forward_ns",
+    BACKWARD: "backward_ns",
+    WAIT: "comm_wait_ns",
+    OPTIMIZER: "optimizer_ns",
+}
+
+#: Steps during which every bucket's parameters are mapped; DDP rebuilds its
+#: buckets during the second iteration, so a few steps cover the rebuild.
+_MAP_STEPS = 3
+
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
+
+def _grad_outputs(output: Any) -> list[torch.Tensor]:
+    """Tensors in a forward's output that gradients will flow back through."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.requires_grad else []
+    if isinstance(output, dict):
+        items = list(output.values())
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    else:
+        items = [getattr(output, k) for k in getattr(output, "__dataclass_fields__", ())]
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class StepTracker:
+    def __init__(
+        self,
+        model: Any,
+        model_index: int,
+        clock: Clock,
+        publisher: Publisher,
+        param_index: dict[int, int],
+        on_step_end: Callable[[int], None],
+        sampler_state: Callable[[], tuple[int, int]],
+    ) -> None:
+        self.model = model
+        self.model_index = model_index
+        self.clock = clock
+        self.stamp = clock.stamp
+        self.pub = publisher
+        self.state = publisher.state
+        self.param_index = param_index
+        self.on_step_end = on_step_end
+        self.sampler_state = sampler_state
+        self.enabled = True
+        self.step = 0
+        self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        self._opt_relevant: dict[int, tuple[bool, bool]] = {}
+        self.optimizers: dict[int, Any] = {}
+        # layout of the buckets: generation, {index: nbytes}, param lists
+        self.layout_gen = 0
+        self._layout: dict[int, int] = {}
+        self._layout_params: dict[int, list[int]] = {}
+        self._layout_dtype: dict[int, str] = {}
+        self._layout_dirty = False
+        self._recent: list[int] = []
+        self._new_step(None)
+        self._prev_end: int | None = None
+        self._eval_start = 0
+        self._fwd_start = 0
+        self._fwd_sync = True
+        self._bwd_start: int | None = None
+        self._bwd_sync = False
+        self._compute_end = 0
+        self._opt_start: int | None = None
+
+    def _new_step(self, start: int | None) -> None:
+        self._start = start
+        self._iv: list[tuple[int, int, int]] = []
+        self._b_index: list[int] = []
+        self._b_nbytes: list[int] = []
+        self._b_start: list[int] = []
+        self._b_end: list[int] = []
+        self._fwd = 0
+        self._bwd = 0
+        self._synced = False
+        self._opt = 0
+
+    # --- forward -------------------------------------------------------------
+
+    def forward_pre(self, module: Any, args: Any) -> None:
+        if not self.enabled:
+            return
+        t = self.stamp()
+        if not torch.is_grad_enabled():
+            self._eval_start = t
+            self.state.enter("eval")
+            return
+        if self._synced:
+            # A synced backward without an optimizer step after it: GradScaler
+            # skipped the step, or the update is done by hand.
+            self._close(self._prev_end if self._prev_end is not None else t)
+        if self._start is None:
+            self._start = t
+        elif self._prev_end is not None:
+            self._iv.append((DATA, self._prev_end, t))
+        self._fwd_start = t
+        self._fwd_sync = bool(getattr(module, "require_backward_grad_sync", True))
+        self._fwd += 1
+        self.state.enter("forward")
+
+    def forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if not self.enabled:
+            return
+        t = self.stamp()
+        if not torch.is_grad_enabled():
+            self._iv.append((EVAL, self._eval_start, t))
+            self.state.enter("idle")
+            return
+        self._iv.append((FORWARD, self._fwd_start, t))
+        self._prev_end = t
+        self.state.enter("idle")
+        outs = _grad_outputs(output)
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, self._backward_begin, mode="any")
+
+    # --- backward (autograd threads) -----------------------------------------
+
+    def _backward_begin(self, _grad: Any = None) -> None:
+        if not self.enabled or self._bwd_start is not None:
+            return
+        self._bwd_start = self.stamp()
+        self._bwd_sync = self._fwd_sync
+        self.state.enter("backward")
+        _queue_callback(self._after_compute)
+
+    def _after_compute(self) -> None:
+        # Runs when autograd's work is done, before DDP waits for the buckets.
+        self._compute_end = self.stamp()
+        self.state.enter("allreduce")
+        _queue_callback(self._after_finalize)
+
+    def _after_finalize(self) -> None:
+        # Queued from inside a final callback, so it runs after DDP's own.
+        t = self.stamp()
+        start = self._bwd_start if self._bwd_start is not None else t
+        self._iv.append((BACKWARD, start, self._compute_end))
+        self._iv.append((WAIT, self._compute_end, t))
+        self._bwd_start = None
+        self._prev_end = t
+        self._bwd += 1
+        if self._bwd_sync:
+            self._synced = True
+        self.state.enter("idle")
+
+    # --- buckets (called by the comm hook wrapper) ---------------------------
+
+    def bucket_start(self, bucket: Any) -> tuple[list[int], int] | None:
+        if not self.enabled:
+            return None
+        try:
+            if self._fwd == 0 and self._bwd_start is None:
+                # No forward in this step: a joined rank shadowing all-reduces.
+                self.state.join_shadow += 1
+                self.state.enter("join")
+                return None
+            if self._bwd_start is None:
+                self._backward_begin()  # outputs carried no grad hook
+            t = self.stamp()
+            index = bucket.index()
+            buf = bucket.buffer()
+            nbytes = buf.numel() * buf.element_size()
+            if self._layout.get(index) != nbytes or self.step < _MAP_STEPS:
+                self._map_bucket(bucket, index, nbytes, str(buf.dtype).replace("torch.", ""))
+            pos = len(self._b_end)
+            self._b_index.append(index)
+            self._b_nbytes.append(nbytes)
+            self._b_start.append(t)
+            self._b_end.append(-1)
+            self.state.bucket = index
+            return self._b_end, pos
+        except Exception as exc:
+            self.fail(exc)
+            return None
+
+    def _map_bucket(self, bucket: Any, index: int, nbytes: int, dtype: str) -> None:
+        params = [self.param_index.get(id(p), -1) for p in bucket.parameters()]
+        if self._layout.get(index) != nbytes or self._layout_params.get(index) != params:
+            self._layout[index] = nbytes
+            self._layout_params[index] = params
+            self._layout_dtype[index] = dtype
+            self._layout_dirty = True
+
+    # --- optimizer (global hooks, any thread that steps) ---------------------
+
+    def _relevance(self, opt: Any) -> tuple[bool, bool]:
+        key = id(opt)
+        known = self._opt_relevant.get(key)
+        if known is None:
+            ids = {id(p) for g in opt.param_groups for p in g["params"]}
+            known = (bool(ids & self.trainable), self.trainable <= ids)
+            self._opt_relevant[key] = known
+            if known[0]:
+                self.optimizers[key] = opt
+        return known
+
+    def optimizer_pre(self, opt: Any) -> None:
+        if not self.enabled or not self._relevance(opt)[0]:
+            return
+        if self._opt_start is None:
+            self._opt_start = self.stamp()
+            self.state.enter("optimizer")
+
+    def optimizer_post(self, opt: Any) -> None:
+        if not self.enabled or self._opt_start is None:
+            return
+        relevant, covers_all = self._relevance(opt)
+        if not relevant:
+            return
+        t = self.stamp()
+        self._iv.append((OPTIMIZER, self._opt_start, t))
+        self._opt_start = None
+        self._opt += 1
+        self._prev_end = t
+        self.state.enter("idle")
+        if covers_all and self._bwd > 0:
+            self._close(t)
+
+    # --- closing a step ------------------------------------------------------
+
+    def _close(self, end: int) -> None:
+        if self._start is None:
+            self._start = end
+        epoch, loader_pass = self.sampler_state()
+        if self._layout_dirty:
+            self._post_layout()
+        payload = (
+            self.step,
+            self._start,
+            end,
+            self._iv,
+            self._b_index,
+            self._b_nbytes,
+            self._b_start,
+            self._b_end,
+            self._bwd,
+            self._opt,
+            epoch,
+            loader_pass,
+            self.layout_gen,
+        )
+        self.pub.post("step", self.model_index, payload, self.finish)
+        recent = self._recent
+        recent.append(self.clock.host_ns(end) - self.clock.host_ns(self._start))
+        if len(recent) > 32:
+            del recent[0]
+        self.step += 1
+        self.state.step = self.step
+        self.state.bucket = -1
+        self._new_step(end)
+        self._prev_end = end
+        self.state.enter("data")
+        self.on_step_end(self.step)
+
+    def flush(self) -> None:
+        """Close a step left open at exit (its optimizer never ran)."""
+        if self._synced or self._bwd:
+            self._close(self._prev_end if self._prev_end is not None else self.stamp())
+
+    def median_step_ns(self) -> int:
+        recent = sorted(self._recent)
+        return recent[len(recent) // 2] if recent else 0
+
+    def _post_layout(self) -> None:
+        self._layout_dirty = False
+        self.layout_gen += 1
+        indices = sorted(self._layout)
+        self.pub.post("buckets", self.model_index, self.layout_fields(indices))
+
+    def layout_fields(self, indices: list[int] | None = None) -> dict[str, Any]:
+        indices = sorted(self._layout) if indices is None else indices
+        return {
+            "generation": self.layout_gen,
+            "step": self.step,
+            "index": indices,
+            "nbytes": [self._layout[i] for i in indices],
+            "dtype": [self._layout_dtype[i] for i in indices],
+            "params": [self._layout_params[i] for i in indices],
+        }
+
+    # --- publisher thread ----------------------------------------------------
+
+    def finish(self, payload: tuple[Any, ...], force: bool) -> dict[str, Any] | None:
+        (step, start, end, iv, b_index, b_nbytes, b_start, b_end, bwd, opt, epoch, lpass, gen) = (
+            payload
+        )
+        clock = self.clock
+        if -1 in b_end and not force:
+            return None
+        device_tokens = [tok for kind, a, b in iv if kind != DATA for tok in (a, b)]
+        device_tokens += b_start
+        device_tokens += [t for t in b_end if t >= 0]
+        times = clock.resolve(device_tokens, force)
+        if times is None:
+            return None
+        at = dict(zip(device_tokens, times, strict=True))
+        t_start, t_end = clock.host_ns(start), clock.host_ns(end)
+        sums = dict.fromkeys(_PHASE_FIELD.values(), 0)
+        data = evaluated = 0
+        for kind, a, b in iv:
+            if kind == DATA:
+                data += clock.host_ns(b) - clock.host_ns(a)
+            elif kind == EVAL:
+                evaluated += at[b] - at[a]
+            else:
+                sums[_PHASE_FIELD[kind]] += at[b] - at[a]
+        offsets = [at[t] - t_start for t in b_start]
+        durations = [at[e] - at[s] if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
+        accounted = data + sum(sums.values())
+        fields: dict[str, Any] = {
+            "step": step,
+            "t_start": t_start,
+            "t_end": t_end,
+            "data_ns": data,
+            "other_ns": max(0, t_end - t_start - accounted),
+            "micro_batches": bwd,
+            "optimizer_steps": opt,
+            "epoch": epoch,
+            "loader_pass": lpass,
+            "layout": gen,
+            "b_index": b_index,
+            "b_nbytes": b_nbytes,
+            "b_offset_ns": offsets,
+            "b_dur_ns": durations,
+            "clock": clock.name,
+            "t": t_end,
+        }
+        fields.update(sums)
+        return fields
+
+    def fail(self, exc: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            log.warning("ddpscope disabled on this rank after an internal error: %r", exc)
+            self.pub.close("disabled", f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,176 @@
+"""A small but real DDP training job, for the demo, the tests and the benchmarks.
+
+    torchrun --standalone --nproc_per_node=2 demos/train.py --epochs 2
+
+Runs on CPU with gloo (or NCCL when CUDA is there). Flags change how it
+trains (gradient accumulation, AMP-style skipped steps, a user comm hook,
+DataLoader workers) and inject the faults ddpscope is built to find.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--samples", type=int, default=1024, help="dataset size")
+    p.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--width", type=int, default=256, help="hidden width (sets step time)")
+    p.add_argument("--depth", type=int, default=4, help="hidden layers")
+    p.add_argument("--bucket-mb", type=float, default=0.25, help="DDP bucket_cap_mb")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync)")
+    p.add_argument("--skip-every", type=int, default=0, help="skip optimizer every Nth step")
+    p.add_argument("--comm-hook", choices=["none", "fp16-before", "fp16-after"], default="none")
+    p.add_argument("--no-attach", action="store_true", help="train without ddpscope.attach")
+    p.add_argument("--save", default="", help="save final state_dict here (rank 0)")
+    p.add_argument("--step-sleep-ms", type=float, default=0.0, help="extra work per step")
+    p.add_argument("--ddp-log", default="", help="write DDP's own logging data to PATH.rankN")
+    p.add_argument("--uneven", action="store_true", help="rank 0 has fewer batches (Join)")
+    # faults
+    p.add_argument("--slow-rank", type=int, default=-1, help="this rank is a straggler")
+    p.add_argument("--slow-ms", type=float, default=50.0, help="straggler's extra ms/step")
+    p.add_argument("--no-set-epoch", action="store_true", help="forget sampler.set_epoch()")
+    p.add_argument("--unsharded", action="store_true", help="RandomSampler, no sharding")
+    p.add_argument("--desync-rank", type=int, default=-1, help="edit this rank's weights")
+    p.add_argument("--desync-step", type=int, default=5)
+    p.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL this rank ...")
+    p.add_argument("--kill-step", type=int, default=5, help="... at this step")
+    p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops at --hang-step")
+    p.add_argument("--hang-step", type=int, default=5)
+    p.add_argument("--hang-s", type=float, default=30.0)
+    return p.parse_args(argv)
+
+
+def build_model(width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(64, width), nn.ReLU()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers += [nn.Linear(width, 10)]
+    return nn.Sequential(*layers)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if not args.no_attach:
+        import ddpscope  # imported early, as users do: comm hooks registered later get wrapped
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
+    if device is not None:
+        torch.cuda.set_device(device)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # ranks share the machine's cores
+
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(args.samples, 64, generator=gen)
+    y = torch.randint(0, 10, (args.samples,), generator=gen)
+    dataset: torch.utils.data.Dataset = TensorDataset(x, y)
+    if args.uneven and rank == 0:
+        dataset = torch.utils.data.Subset(dataset, range(args.samples // 2))
+    if args.unsharded:
+        sampler: torch.utils.data.Sampler = RandomSampler(dataset)
+    else:
+        sampler = DistributedSampler(dataset, seed=args.seed)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
+
+    model = DDP(
+        build_model(args.width, args.depth).to(device or "cpu"),
+        device_ids=[device] if device is not None else None,
+        bucket_cap_mb=args.bucket_mb,
+    )
+    if args.comm_hook == "fp16-before":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+    if not args.no_attach:
+        ddpscope.attach(model)
+    if args.comm_hook == "fp16-after":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
+
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    step = 0
+    join = Join([model]) if args.uneven else _null()
+    with join:
+        step, loss = _train(args, rank, model, opt, loss_fn, loader, sampler, device)
+    if args.ddp_log:
+        with open(f"{args.ddp_log}.rank{rank}", "w") as f:
+            json.dump(model._get_ddp_logging_data(), f, default=str)
+    if args.save and rank == 0:
+        torch.save(model.module.state_dict(), args.save)
+    if rank == 0:
+        print(f"done: {step} steps on {world} ranks, final loss {loss.item():.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: ignore[no-untyped-def]
+    step = 0
+    loss = torch.zeros(())
+    for epoch in range(args.epochs):
+        if isinstance(sampler, DistributedSampler) and not args.no_set_epoch:
+            sampler.set_epoch(epoch)
+        micro = 0
+        for xb, yb in loader:
+            if device is not None:
+                xb, yb = xb.to(device), yb.to(device)
+            micro += 1
+            sync = micro == args.accum
+            with _null() if sync else model.no_sync():
+                loss = loss_fn(model(xb), yb) / args.accum
+                loss.backward()
+            if not sync:
+                continue
+            micro = 0
+            _inject(args, rank, step, model)
+            if args.skip_every and step % args.skip_every == args.skip_every - 1:
+                opt.zero_grad()  # what GradScaler does on an inf step: no optimizer.step()
+            else:
+                opt.step()
+                opt.zero_grad()
+            step += 1
+    return step, loss
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _inject(args: argparse.Namespace, rank: int, step: int, model: nn.Module) -> None:
+    if args.step_sleep_ms:
+        time.sleep(args.step_sleep_ms / 1000)
+    if rank == args.slow_rank:
+        time.sleep(args.slow_ms / 1000)
+    if rank == args.desync_rank and step == args.desync_step:
+        with torch.no_grad():
+            next(model.parameters()).add_(1e-3)
+    if rank == args.kill_rank and step == args.kill_step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == args.hang_rank and step == args.hang_step:
+        time.sleep(args.hang_s)
+
+
+if __name__ == "__main__":
+    main()
