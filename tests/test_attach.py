@@ -1,0 +1,160 @@
+"""attach() in-process (world size 1, gloo): its contract and its failure modes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpscope
+from ddpscope.config import ConfigError
+from ddpscope.hooks import attach as attach_mod
+from ddpscope.record import open_run
+from ddpscope.schema import End, Fingerprint, Step
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    for var in ("DDPSCOPE_RECORD", "DDPSCOPE_DISABLE", "DDPSCOPE_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DDPSCOPE_ENDPOINT", f"ipc://{tmp_path}/s")
+    yield tmp_path
+    attach_mod._reset_for_tests()
+
+
+def _ddp() -> DDP:
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+
+
+def _train(model: nn.Module, steps: int, opt: torch.optim.Optimizer | None = None) -> None:
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_non_ddp_model_is_a_type_error_naming_what_was_passed() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"expects a torch.nn.parallel.DistributedDataParallel.*"
+        r"got torch.nn.modules.linear.Linear",
+    ):
+        ddpscope.attach(nn.Linear(2, 2))
+
+
+def test_data_parallel_is_explained_instead_of_a_bare_type_error() -> None:
+    with pytest.raises(TypeError, match="DataParallel.*torchrun.*DistributedDataParallel"):
+        ddpscope.attach(nn.DataParallel(nn.Linear(2, 2)))
+
+
+def test_attaching_twice_returns_the_same_handle() -> None:
+    model = _ddp()
+    first = ddpscope.attach(model)
+    assert ddpscope.attach(model) is first
+    assert first.enabled and first.rank == 0
+
+
+def test_unknown_option_and_bad_environment_fail_at_attach(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(TypeError, match="unknown option"):
+        ddpscope.attach(_ddp(), checksum=3)
+    monkeypatch.setenv("DDPSCOPE_CHECKSUM_EVERY", "often")
+    with pytest.raises(ConfigError, match="DDPSCOPE_CHECKSUM_EVERY"):
+        ddpscope.attach(_ddp())
+
+
+def test_disable_returns_an_inert_handle_and_installs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("DDPSCOPE_DISABLE", "1")
+    model = _ddp()
+    handle = ddpscope.attach(model)
+    assert not handle.enabled
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    _train(model, 2)
+
+
+def test_steps_are_recorded_in_process(fresh_process: Path) -> None:
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"), checksum_every=2)
+    _train(model, 5)
+    assert handle.step == 5
+    handle.close()
+    msgs = open_run(str(fresh_process / "rec")).messages[0]
+    assert [m.step for m in msgs if isinstance(m, Step)] == [0, 1, 2, 3, 4]
+    fps = [m.step for m in msgs if isinstance(m, Fingerprint)]
+    assert fps[:3] == [0, 2, 4]
+
+
+def test_evaluation_forwards_do_not_open_steps(fresh_process: Path) -> None:
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        _train(model, 1, opt)
+        with torch.no_grad():
+            model(torch.randn(4, 8))
+    assert handle.step == 3
+    handle.close()
+    steps = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, Step)]
+    assert len(steps) == 3 and all(s.optimizer_steps == 1 for s in steps)
+
+
+def test_two_optimizers_over_one_model_make_one_step(fresh_process: Path) -> None:
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    first, second = list(model.module[0].parameters()), list(model.module[2].parameters())
+    opt_a, opt_b = torch.optim.SGD(first, lr=0.1), torch.optim.Adam(second, lr=0.01)
+    for _ in range(3):
+        model(torch.randn(4, 8)).sum().backward()
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+    model(torch.randn(4, 8))  # the next forward closes the last step
+    assert handle.step == 3
+    handle.close()
+    steps = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, Step)]
+    assert [s.optimizer_steps for s in steps] == [2, 2, 2]
+
+
+def test_internal_error_disables_ddpscope_once_and_training_goes_on(
+    fresh_process: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    assert isinstance(handle, attach_mod.Handle)
+    _train(model, 2)
+    calls = 0
+
+    def broken_stamp() -> int:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("clock exploded")
+
+    handle.tracker.stamp = broken_stamp  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="ddpscope"):
+        _train(model, 3)  # must not raise
+    assert not handle.enabled
+    warnings = [r for r in caplog.records if "disabled" in r.getMessage()]
+    assert len(warnings) == 1 and calls == 1
+    ends = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, End)]
+    assert ends[-1].reason == "disabled" and "clock exploded" in ends[-1].error
