@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep-ms", type=float, default=0.0, help="extra work per step")
     p.add_argument("--ddp-log", default="", help="write DDP's own logging data to PATH.rankN")
     p.add_argument("--uneven", action="store_true", help="rank 0 has fewer batches (Join)")
+    p.add_argument("--timing", default="", help="write each step's wall time to PATH.rankN")
     # faults
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank is a straggler")
     p.add_argument("--slow-ms", type=float, default=50.0, help="straggler's extra ms/step")
@@ -54,6 +56,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops at --hang-step")
     p.add_argument("--hang-step", type=int, default=5)
     p.add_argument("--hang-s", type=float, default=30.0)
+    p.add_argument("--lr-rank", type=int, default=-1, help="this rank uses twice the lr")
+    p.add_argument("--seed-per-rank", action="store_true", help="sampler seed = rank (overlap)")
+    # healthy patterns that must not raise findings
+    p.add_argument("--peek", action="store_true", help="peek one batch each epoch")
+    p.add_argument("--eval", action="store_true", help="evaluate on a loader each epoch")
+    p.add_argument("--manual-shards", action="store_true", help="disjoint Subset per rank")
     return p.parse_args(argv)
 
 
@@ -84,10 +92,13 @@ def main(argv: list[str] | None = None) -> None:
     dataset: torch.utils.data.Dataset = TensorDataset(x, y)
     if args.uneven and rank == 0:
         dataset = torch.utils.data.Subset(dataset, range(args.samples // 2))
-    if args.unsharded:
+    if args.manual_shards:
+        dataset = torch.utils.data.Subset(dataset, range(rank, len(dataset), world))
+    if args.unsharded or args.manual_shards:
         sampler: torch.utils.data.Sampler = RandomSampler(dataset)
     else:
-        sampler = DistributedSampler(dataset, seed=args.seed)
+        seed = rank if args.seed_per_rank else args.seed
+        sampler = DistributedSampler(dataset, seed=seed)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
 
     model = DDP(
@@ -106,12 +117,16 @@ def main(argv: list[str] | None = None) -> None:
 
         model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
 
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    lr = args.lr * (2 if rank == args.lr_rank else 1)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     step = 0
     join = Join([model]) if args.uneven else _null()
     with join:
-        step, loss = _train(args, rank, model, opt, loss_fn, loader, sampler, device)
+        step, loss, times = _train(args, rank, model, opt, loss_fn, loader, sampler, device)
+    if args.timing:
+        with open(f"{args.timing}.rank{rank}", "w") as f:
+            json.dump(times, f)
     if args.ddp_log:
         with open(f"{args.ddp_log}.rank{rank}", "w") as f:
             json.dump(model._get_ddp_logging_data(), f, default=str)
@@ -125,9 +140,13 @@ def main(argv: list[str] | None = None) -> None:
 def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: ignore[no-untyped-def]
     step = 0
     loss = torch.zeros(())
+    times: list[float] = []  # wall time of each step, measured by the script itself
+    last = time.perf_counter()
     for epoch in range(args.epochs):
         if isinstance(sampler, DistributedSampler) and not args.no_set_epoch:
             sampler.set_epoch(epoch)
+        if args.peek:
+            next(iter(loader))  # a common habit: look at one batch's shape
         micro = 0
         for xb, yb in loader:
             if device is not None:
@@ -147,7 +166,23 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 opt.step()
                 opt.zero_grad()
             step += 1
-    return step, loss
+            now = time.perf_counter()
+            times.append(now - last)
+            last = now
+        if args.eval:
+            _evaluate(model, loader.dataset, args.batch, device)
+    return step, loss, times
+
+
+def _evaluate(model: nn.Module, dataset: Any, batch: int, device: Any) -> None:
+    # An evaluation loader whose DistributedSampler never gets set_epoch():
+    # its passes repeat the same order, which is fine because nothing trains.
+    sampler = DistributedSampler(dataset, shuffle=False)
+    model.eval()
+    with torch.no_grad():
+        for xb, _ in DataLoader(dataset, batch_size=batch, sampler=sampler):
+            model(xb.to(device) if device is not None else xb)
+    model.train()
 
 
 class _null:

@@ -1,0 +1,271 @@
+"""The run model: every rank's latest state and history, aligned by step index.
+
+Fed one decoded message at a time, from a live socket or from record files,
+with ``rx_ns``: when the message reached us on the analysis clock (the
+watcher's monotonic clock live; the sender's own clock when replaying). It
+copes with what networks and restarts do: late, duplicate, dropped and
+out-of-order messages, ranks that join late or never, a watcher started
+mid-run, and several runs (elastic restarts) in one stream.
+
+Live mode bounds every history (``history`` steps); a report reads with
+``history=None`` and keeps everything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpscope.schema import (
+    BucketLayout,
+    End,
+    Fingerprint,
+    Heartbeat,
+    HParams,
+    Message,
+    RunInfo,
+    SamplerPass,
+    SamplerPassEnd,
+    Stacks,
+    Step,
+)
+
+#: World sizes beyond this are hostile or corrupt, not real.
+MAX_WORLD = 1 << 16
+#: Fingerprints kept per rank in live mode.
+MAX_FINGERPRINTS = 64
+#: Sampler passes kept per rank in live mode.
+MAX_PASSES = 256
+
+
+@dataclass
+class PassView:
+    """One DataLoader pass on one rank: its start, and its end once seen."""
+
+    begin: SamplerPass | None = None
+    end: SamplerPassEnd | None = None
+
+
+@dataclass
+class RankView:
+    rank: int
+    info: RunInfo | None = None
+    steps: deque[Step] = field(default_factory=deque)
+    heartbeat: Heartbeat | None = None
+    layout: BucketLayout | None = None
+    hparams: HParams | None = None
+    fingerprints: dict[int, Fingerprint] = field(default_factory=dict)
+    passes: dict[tuple[int, int], PassView] = field(default_factory=dict)
+    stacks: Stacks | None = None
+    end: End | None = None
+    #: Analysis-clock time of the last message, and of the last step.
+    last_rx_ns: int = 0
+    last_step_rx_ns: int = 0
+    #: Sequence accounting per sender process: lowest, highest, count.
+    seq_low: int = -1
+    seq_high: int = -1
+    seq_count: int = 0
+    pid: int = -1
+    duplicates: int = 0
+
+    @property
+    def last_step(self) -> Step | None:
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def step_count(self) -> int:
+        """Steps this rank completed (next step index)."""
+        last = self.last_step
+        hb = self.heartbeat.step if self.heartbeat is not None else 0
+        return max(last.step + 1 if last is not None else 0, hb)
+
+    @property
+    def missing(self) -> int:
+        """Messages lost between us and this rank (gaps in its sequence numbers)."""
+        if self.seq_count == 0:
+            return 0
+        return max(0, self.seq_high - self.seq_low + 1 - self.seq_count)
+
+
+class RunState:
+    def __init__(self, run_id: str, history: int | None = 2048) -> None:
+        self.run_id = run_id
+        self.history = history
+        self.ranks: dict[int, RankView] = {}
+        #: step index -> rank -> Step, for cross-rank comparisons.
+        self.by_step: dict[int, dict[int, Step]] = {}
+        self.world_size = 0
+        self.received = 0
+        self.rejected: Counter[str] = Counter()
+        self.first_rx_ns = 0
+        self.last_rx_ns = 0
+        #: Newest analysis-clock time known (advanced by ingest and by ticks).
+        self.now_ns = 0
+
+    # --- queries -------------------------------------------------------------
+
+    def rank(self, r: int) -> RankView:
+        view = self.ranks.get(r)
+        if view is None:
+            view = self.ranks[r] = RankView(r)
+        return view
+
+    def expected_ranks(self) -> list[int]:
+        return list(range(self.world_size)) if self.world_size else sorted(self.ranks)
+
+    def silent_ranks(self) -> list[int]:
+        """Ranks the run info says exist but that never sent anything."""
+        return [r for r in self.expected_ranks() if r not in self.ranks]
+
+    def complete_steps(self) -> list[int]:
+        """Step indices every known rank has reported, oldest first."""
+        n = len(self.ranks)
+        return sorted(s for s, row in self.by_step.items() if len(row) >= n and n)
+
+    @property
+    def step_span(self) -> tuple[int, int]:
+        if not self.by_step:
+            return (-1, -1)
+        return (min(self.by_step), max(self.by_step))
+
+    # --- ingest --------------------------------------------------------------
+
+    def _reject(self, why: str) -> bool:
+        self.rejected[why] += 1
+        return False
+
+    def ingest(self, msg: Message, rx_ns: int) -> bool:
+        """Take one message. False when it was a duplicate or had absurd values."""
+        if self.world_size and msg.rank >= self.world_size:
+            return self._reject("rank outside the world")
+        if msg.rank >= MAX_WORLD:
+            return self._reject("rank outside the world")
+        if isinstance(msg, RunInfo) and (
+            not 0 < msg.world_size <= MAX_WORLD or msg.rank >= msg.world_size
+        ):
+            return self._reject("absurd world size")
+        if isinstance(msg, Step) and (
+            msg.t_end < msg.t_start
+            or min(
+                msg.data_ns,
+                msg.forward_ns,
+                msg.backward_ns,
+                msg.optimizer_ns,
+                msg.comm_wait_ns,
+                msg.other_ns,
+                msg.step,
+            )
+            < 0
+        ):
+            return self._reject("negative duration")
+        view = self.rank(msg.rank)
+        if not self._count_seq(view, msg):
+            return False
+        self.received += 1
+        if not self.first_rx_ns:
+            self.first_rx_ns = rx_ns
+        self.last_rx_ns = max(self.last_rx_ns, rx_ns)
+        self.now_ns = max(self.now_ns, rx_ns)
+        view.last_rx_ns = max(view.last_rx_ns, rx_ns)
+        handler = _HANDLERS.get(type(msg))
+        if handler is not None:
+            return handler(self, view, msg, rx_ns)
+        return True
+
+    def _count_seq(self, view: RankView, msg: Message) -> bool:
+        if isinstance(msg, RunInfo) and view.pid not in (-1, msg.pid):
+            # A new process took this rank over (restarted worker): new sequence.
+            view.seq_low = view.seq_high = -1
+            view.seq_count = 0
+        view.seq_count += 1
+        view.seq_low = msg.seq if view.seq_low < 0 else min(view.seq_low, msg.seq)
+        view.seq_high = max(view.seq_high, msg.seq)
+        return True
+
+    def _on_run_info(self, view: RankView, msg: RunInfo, rx_ns: int) -> bool:
+        view.info = msg
+        view.pid = msg.pid
+        self.world_size = max(self.world_size, msg.world_size)
+        return True
+
+    def _on_step(self, view: RankView, msg: Step, rx_ns: int) -> bool:
+        row = self.by_step.setdefault(msg.step, {})
+        if msg.rank in row:
+            view.duplicates += 1
+            view.seq_count -= 1  # a duplicate is not a delivered message
+            return False
+        row[msg.rank] = msg
+        steps = view.steps
+        if not steps or steps[-1].step < msg.step:
+            steps.append(msg)
+        else:  # late arrival: keep the history ordered
+            items = sorted([*steps, msg], key=lambda s: s.step)
+            steps.clear()
+            steps.extend(items)
+        view.last_step_rx_ns = max(view.last_step_rx_ns, rx_ns)
+        if self.history is not None:
+            while len(steps) > self.history:
+                steps.popleft()
+            floor = msg.step - self.history
+            if len(self.by_step) > self.history + 64:
+                for s in [s for s in self.by_step if s < floor]:
+                    del self.by_step[s]
+        return True
+
+    def _on_heartbeat(self, view: RankView, msg: Heartbeat, rx_ns: int) -> bool:
+        if view.heartbeat is None or msg.t >= view.heartbeat.t:
+            view.heartbeat = msg
+        return True
+
+    def _on_layout(self, view: RankView, msg: BucketLayout, rx_ns: int) -> bool:
+        if view.layout is None or msg.generation >= view.layout.generation:
+            view.layout = msg
+        return True
+
+    def _on_hparams(self, view: RankView, msg: HParams, rx_ns: int) -> bool:
+        if view.hparams is None or msg.t >= view.hparams.t:
+            view.hparams = msg
+        return True
+
+    def _on_fingerprint(self, view: RankView, msg: Fingerprint, rx_ns: int) -> bool:
+        view.fingerprints[msg.step] = msg
+        if self.history is not None and len(view.fingerprints) > MAX_FINGERPRINTS:
+            del view.fingerprints[min(view.fingerprints)]
+        return True
+
+    def _on_pass(self, view: RankView, msg: SamplerPass, rx_ns: int) -> bool:
+        view.passes.setdefault((msg.loader, msg.pass_id), PassView()).begin = msg
+        self._trim_passes(view)
+        return True
+
+    def _on_pass_end(self, view: RankView, msg: SamplerPassEnd, rx_ns: int) -> bool:
+        view.passes.setdefault((msg.loader, msg.pass_id), PassView()).end = msg
+        self._trim_passes(view)
+        return True
+
+    def _trim_passes(self, view: RankView) -> None:
+        if self.history is not None and len(view.passes) > MAX_PASSES:
+            del view.passes[min(view.passes)]
+
+    def _on_stacks(self, view: RankView, msg: Stacks, rx_ns: int) -> bool:
+        view.stacks = msg
+        return True
+
+    def _on_end(self, view: RankView, msg: End, rx_ns: int) -> bool:
+        view.end = msg
+        return True
+
+
+_HANDLERS: dict[type, Any] = {
+    RunInfo: RunState._on_run_info,
+    Step: RunState._on_step,
+    Heartbeat: RunState._on_heartbeat,
+    BucketLayout: RunState._on_layout,
+    HParams: RunState._on_hparams,
+    Fingerprint: RunState._on_fingerprint,
+    SamplerPass: RunState._on_pass,
+    SamplerPassEnd: RunState._on_pass_end,
+    Stacks: RunState._on_stacks,
+    End: RunState._on_end,
+}
