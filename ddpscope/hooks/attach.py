@@ -321,6 +321,13 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
     with _LOCK:
         existing = _HANDLES.get(model)
         if existing is not None:
+            if options:
+                log.warning(
+                    "ddpscope: this model is already attached (by an earlier attach() or by "
+                    "`ddpscope run`); the options %s are ignored. Set them as DDPSCOPE_* "
+                    "variables or `ddpscope run` flags instead.",
+                    ", ".join(sorted(options)),
+                )
             return existing
         if opts.disable:
             return InertHandle("DDPSCOPE_DISABLE is set")

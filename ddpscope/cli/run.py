@@ -1,0 +1,247 @@
+"""``ddpscope run -- COMMAND``: watch a DDP job without editing its script.
+
+The launcher changes nothing but the child's environment: ``ddpscope/_bootstrap``
+goes first on PYTHONPATH so that its ``sitecustomize`` runs in every Python
+process the command starts (torchrun's agent, each rank, spawned DataLoader
+workers), and ``DDPSCOPE_AUTOATTACH=1`` tells it to attach ddpscope to every
+DistributedDataParallel model those processes build. The options travel as the
+DDPSCOPE_* variables of :mod:`ddpscope.config`, with one run id generated here
+so that all ranks of the launch record into one run directory.
+
+This module must not import torch: only the rank processes need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from types import FrameType
+
+import ddpscope
+from ddpscope import config
+
+#: Directory whose sitecustomize.py hooks DDP construction in the child processes.
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(ddpscope.__file__)), "_bootstrap")
+
+#: Where recordings go when neither --record nor DDPSCOPE_RECORD says.
+DEFAULT_RECORD_DIR = "runs"
+
+#: The signals a user (or a scheduler) sends to stop a job; the child gets them.
+FORWARDED_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+# Run ids become directory names; keep them to characters every filesystem takes.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+AUTOATTACH_VAR = "DDPSCOPE_AUTOATTACH"
+
+EPILOG = """\
+examples:
+  ddpscope run -- torchrun --standalone --nproc_per_node=4 train.py --epochs 2
+  ddpscope run --record /data/runs -- python -m torch.distributed.run --nproc_per_node=2 train.py
+  ddpscope run --headless --endpoint tcp://127.0.0.1:6000 -- python train.py
+
+Every DistributedDataParallel model the launched Python processes build gets
+ddpscope.attach(model) right after its constructor returns; the script is not
+edited. Processes started with python -I, -E or -S ignore PYTHONPATH and are not
+watched. Other DDPSCOPE_* variables in the environment (see
+docs/configuration.md) reach the ranks unchanged.
+"""
+
+
+class UsageError(Exception):
+    """A bad option value: reported before anything is launched."""
+
+
+def new_run_id() -> str:
+    """A fresh run id, sortable by start time (same shape the ranks would pick)."""
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:8]
+
+
+def build_env(
+    base: Mapping[str, str],
+    record: str | None = None,
+    endpoint: str | None = None,
+    run_id: str | None = None,
+) -> dict[str, str]:
+    """The child's environment. ``None`` keeps what ``base`` says (or the default).
+
+    Raises UsageError when an option (from the arguments or from ``base``)
+    has a value the ranks could not use, so that nothing is launched.
+    """
+    env = dict(base)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p != BOOTSTRAP_DIR]
+    env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *(p for p in entries if p)])
+    env[AUTOATTACH_VAR] = "1"
+
+    if record is None:
+        record = env.get("DDPSCOPE_RECORD") or DEFAULT_RECORD_DIR
+    # Absolute: the ranks may run in another directory than this launcher.
+    env["DDPSCOPE_RECORD"] = os.path.abspath(record) if record else ""
+    if endpoint is not None:
+        env["DDPSCOPE_ENDPOINT"] = endpoint
+    if run_id is None:
+        run_id = env.get("DDPSCOPE_RUN_ID") or new_run_id()
+    if not _RUN_ID.fullmatch(run_id):
+        raise UsageError(
+            f"run id {run_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit (it names the run's directory)"
+        )
+    env["DDPSCOPE_RUN_ID"] = run_id
+    try:
+        config.load(env=env)
+    except config.ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    return env
+
+
+def describe(env: Mapping[str, str]) -> str:
+    """The one line saying where the recording goes."""
+    opts = config.load(env=env)
+    live = f"live telemetry to {opts.endpoint}"
+    if not opts.record:
+        return f"ddpscope: run {opts.run_id} is not recorded (--record ''); {live}"
+    where = os.path.join(opts.record, opts.run_id)
+    return f"ddpscope: recording run {opts.run_id} to {where}{os.sep} ({live})"
+
+
+class _Forwarder:
+    """Passes stop signals on to the child's process group.
+
+    The child runs in its own session, so a Ctrl-C in the terminal reaches
+    only this launcher and is delivered to the job exactly once, by us; a
+    SIGTERM from a scheduler, which only knows our pid, reaches the job too.
+    """
+
+    def __init__(self) -> None:
+        self.pgid: int | None = None
+        self.pending: list[int] = []
+        self.previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in FORWARDED_SIGNALS:
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: the caller keeps its own handling
+                return
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self.previous.clear()
+
+    def started(self, pgid: int) -> None:
+        self.pgid = pgid
+        pending, self.pending = self.pending, []
+        for sig in pending:
+            self._send(sig)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.pgid is None:
+            self.pending.append(signum)  # arrived while the child was being started
+        else:
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        assert self.pgid is not None
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+
+
+def launch(command: list[str], env: Mapping[str, str]) -> int:
+    """Run ``command`` to the end; its exit status, or 128 + signal if killed."""
+    forwarder = _Forwarder()
+    forwarder.install()
+    try:
+        try:
+            child = subprocess.Popen(command, env=dict(env), start_new_session=True)
+        except FileNotFoundError:
+            print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
+            return 127
+        except PermissionError as exc:
+            print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
+            return 126
+        forwarder.started(child.pid)
+        rc = child.wait()
+    finally:
+        forwarder.restore()
+    return 128 - rc if rc < 0 else rc
+
+
+class RunCommand:
+    name = "run"
+    help = "launch a training command with ddpscope attached to every DDP model"
+    description = (
+        "Launch COMMAND (torchrun ..., python -m torch.distributed.run ..., or any python "
+        "command) with ddpscope attached to every DistributedDataParallel model its "
+        "processes build, recording the run. No change to the training script is needed."
+    )
+    epilog = EPILOG
+
+    def __init__(self) -> None:
+        self._parser: argparse.ArgumentParser | None = None
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        self._parser = parser
+        parser.usage = (
+            "%(prog)s [--record DIR] [--endpoint ADDR] [--run-id ID] [--headless] -- COMMAND..."
+        )
+        parser.add_argument(
+            "--record",
+            metavar="DIR",
+            help="record the run into DIR/RUN_ID/ (default: $DDPSCOPE_RECORD, else ./"
+            f"{DEFAULT_RECORD_DIR}); '' records nothing",
+        )
+        parser.add_argument(
+            "--endpoint",
+            metavar="ADDR",
+            help="ZeroMQ address the ranks publish to (default: $DDPSCOPE_ENDPOINT, else "
+            f"{config.DEFAULT_ENDPOINT})",
+        )
+        parser.add_argument(
+            "--run-id",
+            metavar="ID",
+            help="run id shared by all ranks (default: $DDPSCOPE_RUN_ID, else a new one)",
+        )
+        parser.add_argument(
+            "--headless",
+            action="store_true",
+            help="do not open the live watcher beside the job. The watcher UI does not exist "
+            "yet, so for now run always behaves as if --headless were given",
+        )
+        parser.add_argument(
+            "command",
+            nargs=argparse.REMAINDER,
+            metavar="-- COMMAND",
+            help="the command to launch, after --",
+        )
+
+    def run(self, args: argparse.Namespace) -> int:
+        command = list(args.command)
+        if command[:1] == ["--"]:
+            command = command[1:]
+        if not command:
+            return self._usage_error("missing COMMAND (e.g. ddpscope run -- torchrun train.py)")
+        try:
+            env = build_env(os.environ, args.record, args.endpoint, args.run_id)
+        except UsageError as exc:
+            return self._usage_error(str(exc))
+        print(describe(env), file=sys.stderr, flush=True)
+        return launch(command, env)
+
+    def _usage_error(self, message: str) -> int:
+        # Like argparse's own errors (same format, same status), without SystemExit.
+        if self._parser is not None:
+            self._parser.print_usage(sys.stderr)
+        print(f"ddpscope run: error: {message}", file=sys.stderr)
+        return 2

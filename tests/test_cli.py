@@ -1,0 +1,513 @@
+"""The command line without a torch job: arguments, exit codes, dump, the start-up hook."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, job_env
+
+from ddpscope.cli import run as run_cmd
+from ddpscope.cli.main import main
+from ddpscope.record.writer import RecordWriter
+from ddpscope.schema import BucketLayout, End, Heartbeat, RunInfo, Step, encode
+
+DDPSCOPE = [sys.executable, "-m", "ddpscope"]
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
+    return subprocess.run(
+        [*DDPSCOPE, *args],
+        env=env or job_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+# --- arguments and exit codes ------------------------------------------------
+
+
+def test_no_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "usage: ddpscope" in capsys.readouterr().err
+
+
+def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "-- COMMAND" in out and "--headless" in out and "watcher UI does not exist" in out
+
+
+@pytest.mark.parametrize("argv", [["run"], ["run", "--"], ["run", "--headless", "--"]])
+def test_run_without_command_is_a_usage_error(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert "missing COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "named"),
+    [
+        (["--endpoint", "udp://1.2.3.4:5"], {}, "udp://1.2.3.4:5"),
+        (["--endpoint", "tcp://nohost"], {}, "tcp://nohost"),
+        (["--run-id", "../escape"], {}, "../escape"),
+        ([], {"DDPSCOPE_QUEUE_SIZE": "lots"}, "DDPSCOPE_QUEUE_SIZE"),
+        ([], {"DDPSCOPE_HEARTBEAT_S": "-1"}, "heartbeat_s"),
+    ],
+)
+def test_bad_option_is_reported_and_nothing_is_launched(
+    flags: list[str],
+    env: dict[str, str],
+    named: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    marker = tmp_path / "launched"
+    code = f"open({str(marker)!r}, 'w').close()"
+    assert main(["run", *flags, "--", sys.executable, "-c", code]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "error" in err
+    assert not marker.exists()
+
+
+def test_run_returns_the_child_exit_code(tmp_path: Path) -> None:
+    proc = _cli("run", "--record", str(tmp_path), "--", sys.executable, "-c", "raise SystemExit(7)")
+    assert proc.returncode == 7
+
+
+def test_run_says_where_the_recording_goes(tmp_path: Path) -> None:
+    proc = _cli(
+        "run", "--record", str(tmp_path), "--run-id", "my-run", "--", sys.executable, "-c", "pass"
+    )
+    assert proc.returncode == 0
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1
+    assert str(tmp_path / "my-run") in lines[0]
+
+
+def test_run_of_a_missing_program_is_127(tmp_path: Path) -> None:
+    proc = _cli("run", "--record", str(tmp_path), "--", "no-such-program-ddpscope")
+    assert proc.returncode == 127
+    assert "no-such-program-ddpscope" in proc.stderr
+
+
+def test_child_env_carries_bootstrap_first_and_one_run_id(tmp_path: Path) -> None:
+    base = {"PYTHONPATH": f"/user/lib{os.pathsep}/other", "DDPSCOPE_CHECKSUM_EVERY": "3"}
+    env = run_cmd.build_env(base, record=str(tmp_path / "rec"), endpoint="ipc:///tmp/x")
+    assert env["PYTHONPATH"].split(os.pathsep) == [run_cmd.BOOTSTRAP_DIR, "/user/lib", "/other"]
+    assert env["DDPSCOPE_AUTOATTACH"] == "1"
+    assert env["DDPSCOPE_RECORD"] == str(tmp_path / "rec")
+    assert env["DDPSCOPE_ENDPOINT"] == "ipc:///tmp/x"
+    assert env["DDPSCOPE_RUN_ID"]
+    assert env["DDPSCOPE_CHECKSUM_EVERY"] == "3"  # other options reach the ranks as given
+    # Launched again from inside (a nested `ddpscope run`): one bootstrap entry, same id.
+    again = run_cmd.build_env(env)
+    assert again["PYTHONPATH"] == env["PYTHONPATH"]
+    assert again["DDPSCOPE_RUN_ID"] == env["DDPSCOPE_RUN_ID"]
+
+
+def test_relative_record_dir_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = run_cmd.build_env({}, record="out")
+    assert env["DDPSCOPE_RECORD"] == str(tmp_path / "out")
+    assert run_cmd.build_env({})["DDPSCOPE_RECORD"] == str(tmp_path / "runs")
+
+
+def test_cli_never_imports_torch(tmp_path: Path) -> None:
+    _recording(tmp_path)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from ddpscope.cli.main import main
+        assert main(["dump", {str(tmp_path)!r}]) == 0
+        assert main(["run", "--record", {str(tmp_path)!r}, "--", sys.executable, "-c", ""]) == 0
+        assert main(["run", "--help"]) == 0
+        print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# --- the start-up hook -------------------------------------------------------
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    print("hello from the child", flush=True)
+    print(json.dumps({
+        "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch"),
+        "ddpscope": sorted(m for m in sys.modules if m.split(".")[0] == "ddpscope"),
+        "watching": [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_DDPWatch"],
+        "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
+    }))
+    """
+)
+
+
+def test_bootstrap_leaves_a_process_without_ddp_alone(tmp_path: Path, endpoint: str) -> None:
+    proc = _cli(
+        "run", "--record", str(tmp_path), "--endpoint", endpoint, "--", sys.executable, "-c", PROBE
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert out[0] == "hello from the child"
+    seen = json.loads(out[1])
+    assert seen["torch"] == [] and seen["ddpscope"] == []
+    assert seen["watching"] == ["_DDPWatch"]  # the hook ran, and only waits
+    assert "warning" not in proc.stderr
+    assert not any(tmp_path.iterdir())  # nothing built DDP, so nothing was recorded
+
+
+def test_bootstrap_does_nothing_without_autoattach(tmp_path: Path) -> None:
+    env = job_env(PYTHONPATH=os.pathsep.join([run_cmd.BOOTSTRAP_DIR, str(ROOT)]))
+    env.pop("DDPSCOPE_AUTOATTACH", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[1])["watching"] == []
+
+
+def test_shadowed_sitecustomize_still_runs(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os, sys\n"
+        "if os.environ.get('DDPSCOPE_AUTOATTACH'):  # in the child, not the launcher\n"
+        "    print('user sitecustomize ran', file=sys.stderr)\n"
+        "os.environ['USER_SITE_RAN'] = '1'\n"
+        "MARK = 'theirs'\n"
+    )
+    env = job_env(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    code = "import os, sitecustomize; print(os.environ.get('USER_SITE_RAN'), sitecustomize.MARK)"
+    proc = _cli("run", "--record", str(tmp_path / "rec"), "--", sys.executable, "-c", code, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1 theirs"
+    assert proc.stderr.count("user sitecustomize ran") == 1
+
+
+def test_failing_shadowed_sitecustomize_gives_one_warning(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("raise RuntimeError('broken site')\n")
+    env = job_env(PYTHONPATH=os.pathsep.join([str(site), str(ROOT)]))
+    proc = _cli(
+        "run",
+        "--record",
+        str(tmp_path / "rec"),
+        "--",
+        sys.executable,
+        "-c",
+        "print('still runs')",
+        env=env,
+    )
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == "still runs"
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "broken site" in warnings[0]
+
+
+# --- signals -----------------------------------------------------------------
+
+SLEEPER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    if sys.argv[1] == "exit5":
+        signal.signal(signal.SIGTERM, lambda *a: os._exit(5))
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def _start_sleeper(tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], int]:
+    launcher = subprocess.Popen(
+        [*DDPSCOPE, "run", "--record", str(tmp_path), "--", sys.executable, "-c", SLEEPER, mode],
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert launcher.stdout is not None
+    child_pid = int(launcher.stdout.readline())
+    return launcher, child_pid
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize(
+    ("sig", "mode", "expected"),
+    [
+        (signal.SIGTERM, "default", 128 + signal.SIGTERM),
+        (signal.SIGINT, "default", 128 + signal.SIGINT),
+        (signal.SIGTERM, "exit5", 5),
+    ],
+)
+def test_stop_signal_reaches_the_child_and_its_status_comes_back(
+    tmp_path: Path, sig: signal.Signals, mode: str, expected: int
+) -> None:
+    launcher, child_pid = _start_sleeper(tmp_path, mode)
+    try:
+        launcher.send_signal(sig)
+        assert launcher.wait(timeout=10) == expected
+        assert _gone(child_pid)
+    finally:
+        launcher.kill()
+        launcher.communicate()
+
+
+# --- dump --------------------------------------------------------------------
+
+
+def _recording(
+    directory: Path,
+    run: str = "run-b",
+    ranks: int = 2,
+    steps: int = 3,
+    wall_ns: int = 2,
+) -> list[str]:
+    paths = []
+    for rank in range(ranks):
+        header = {
+            "run_id": run,
+            "rank": rank,
+            "world_size": ranks,
+            "host": "node7",
+            "pid": 100 + rank,
+            "wall_ns": wall_ns,
+        }
+        w = RecordWriter(str(directory), run, rank, header)
+        seq = itertools.count()
+        env: dict[str, Any] = {"run": run, "rank": rank}
+        w.append(
+            encode(
+                RunInfo(
+                    **env,
+                    seq=next(seq),
+                    local_rank=rank,
+                    world_size=ranks,
+                    local_world_size=ranks,
+                    host="node7",
+                    pid=100 + rank,
+                    backend="gloo",
+                    device="cpu",
+                    versions={},
+                    ddp={},
+                    params=[["w", [2, 2], "float32", True]],
+                    buffers=[],
+                    wall_ns=1,
+                    mono_ns=1,
+                    started_wall_ns=1,
+                )
+            )
+        )
+        w.append(
+            encode(
+                BucketLayout(
+                    **env,
+                    seq=next(seq),
+                    generation=1,
+                    step=0,
+                    index=[0],
+                    nbytes=[16],
+                    dtype=["float32"],
+                    params=[[0]],
+                )
+            )
+        )
+        for s in range(steps):
+            w.append(
+                encode(
+                    Step(
+                        **env,
+                        seq=next(seq),
+                        step=s,
+                        t_start=s,
+                        t_end=s + 1,
+                        data_ns=0,
+                        forward_ns=0,
+                        backward_ns=0,
+                        optimizer_ns=0,
+                        other_ns=0,
+                        comm_wait_ns=0,
+                        micro_batches=1,
+                        optimizer_steps=1,
+                    )
+                )
+            )
+        w.append(
+            encode(
+                Heartbeat(
+                    **env,
+                    seq=next(seq),
+                    phase="idle",
+                    step=steps,
+                    bucket=-1,
+                    in_phase_s=0.0,
+                    cpu_pct=1.0,
+                    rss_bytes=1,
+                    threads=2,
+                )
+            )
+        )
+        w.append(encode(End(**env, seq=next(seq), reason="exit", step=steps)))
+        w.close()
+        paths.append(w.path)
+    return paths
+
+
+def _dump(*args: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(["dump", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_dump_summarises_each_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _recording(tmp_path)
+    code, out, err = _dump(str(tmp_path), capsys=capsys)
+    assert code == 0, err
+    assert "run run-b" in out and "ranks 0, 1 of world size 2" in out
+    for rank in (0, 1):
+        assert f"rank {rank}: host node7, pid {100 + rank}" in out
+    assert out.count("messages 7: run_info 1, buckets 1, step 3, heartbeat 1, end 1") == 2
+    assert out.count("steps 3 (first 0, last 2)") == 2
+    assert out.count("ended: exit at step 3") == 2
+    assert "problems" not in out
+
+
+def test_dump_json_prints_one_object_per_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recording(tmp_path)
+    code, out, _ = _dump(str(tmp_path), "--json", capsys=capsys)
+    assert code == 0
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert len(objs) == 14
+    assert [o["k"] for o in objs[:7]] == [
+        "run_info",
+        "buckets",
+        "step",
+        "step",
+        "step",
+        "heartbeat",
+        "end",
+    ]
+    assert {o["rank"] for o in objs} == {0, 1}
+    assert objs[2]["step"] == 0 and objs[2]["run"] == "run-b"
+
+
+def test_dump_filters_by_rank_and_kind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _recording(tmp_path)
+    code, out, _ = _dump(str(tmp_path), "--json", "--rank", "1", "--kind", "step", capsys=capsys)
+    assert code == 0
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert [(o["k"], o["rank"], o["step"]) for o in objs] == [("step", 1, s) for s in range(3)]
+
+
+def test_dump_shows_the_newest_run_unless_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recording(tmp_path, run="old", steps=1, wall_ns=1)
+    _recording(tmp_path, run="new", steps=2, wall_ns=5)
+    assert "run new" in _dump(str(tmp_path), capsys=capsys)[1]
+    code, out, _ = _dump(str(tmp_path), "--run", "old", capsys=capsys)
+    assert code == 0 and "run old" in out and "steps 1 (first 0, last 0)" in out
+    code, _, err = _dump(str(tmp_path), "--run", "nope", capsys=capsys)
+    assert code == 3 and "nope" in err
+
+
+def test_dump_reads_a_single_rank_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    paths = _recording(tmp_path)
+    code, out, _ = _dump(paths[1], capsys=capsys)
+    assert code == 0 and "rank 1:" in out and "rank 0:" not in out
+
+
+def test_dump_reports_a_truncated_tail_and_still_succeeds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = _recording(tmp_path)
+    with open(paths[0], "r+b") as f:
+        f.truncate(os.path.getsize(paths[0]) - 3)
+    code, out, _ = _dump(str(tmp_path), capsys=capsys)
+    assert code == 0
+    assert "problems:" in out and "truncated tail" in out and os.path.basename(paths[0]) in out
+    assert "messages 6:" in out  # rank 0 lost its torn last record only
+
+
+def test_dump_of_a_foreign_file_names_it_and_exits_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "some-run"
+    run.mkdir()
+    foreign = run / "rank-00000-1.ddps"
+    foreign.write_bytes(b"PK\x03\x04 definitely a zip file")
+    code, _, err = _dump(str(tmp_path), capsys=capsys)
+    assert code == 3 and str(foreign) in err and "not a ddpscope record file" in err
+    code, _, err = _dump(str(foreign), capsys=capsys)
+    assert code == 3 and str(foreign) in err
+
+
+def test_dump_with_a_foreign_file_beside_good_ones_prints_and_exits_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = _recording(tmp_path)
+    foreign = Path(paths[0]).parent / "rank-00009-9.ddps"
+    foreign.write_text("hello")
+    code, out, _ = _dump(str(tmp_path), capsys=capsys)
+    assert code == 3
+    assert "rank 0:" in out and str(foreign) in out
+
+
+@pytest.mark.parametrize(
+    ("args", "code"),
+    [
+        (["{missing}"], 3),
+        (["{tmp}", "--rank", "5"], 3),
+        (["{tmp}", "--kind", "steps"], 2),
+        (["{tmp}", "--rank", "x"], 2),
+    ],
+)
+def test_dump_rejects_what_it_cannot_show(
+    args: list[str], code: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _recording(tmp_path)
+    argv = [a.format(tmp=tmp_path, missing=tmp_path / "missing") for a in args]
+    got, out, err = _dump(*argv, capsys=capsys)
+    assert got == code and out == ""
+    assert err.strip()
