@@ -7,28 +7,9 @@ as torch.cuda.Event(enable_timing=True).
 
 from __future__ import annotations
 
+from fake_cuda import FakeEvent
+
 from ddpscope.hooks.clocks import EventClock, HostClock
-
-
-class FakeEvent:
-    """Completes when the test says so; device time is a settable number (ms)."""
-
-    now_ms = 0.0
-
-    def __init__(self) -> None:
-        self.done = False
-        self.at_ms = 0.0
-
-    def record(self) -> None:
-        self.done = False
-        FakeEvent.now_ms += 1.5
-        self.at_ms = FakeEvent.now_ms
-
-    def query(self) -> bool:
-        return self.done
-
-    def elapsed_time(self, other: FakeEvent) -> float:
-        return other.at_ms - self.at_ms
 
 
 def test_host_clock_tokens_are_monotonic_nanoseconds() -> None:
