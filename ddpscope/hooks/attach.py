@@ -79,6 +79,7 @@ class _Process:
         host = HostProbe(_device_memory_for(runinfo.device_of(model)))
         self.publisher = Publisher(opts, self.run_id, self.rank, header, host)
         self.handles: list[Handle] = []
+        self._finished = False
         self.sampler_probe = SamplerProbe(
             post=lambda kind, fields: self.publisher.post(kind, 0, fields),
             current_step=lambda: self.publisher.state.step,
@@ -128,6 +129,11 @@ class _Process:
             self._excepthook(exc_type, exc, tb)
 
     def finish(self, reason: str = "exit", error: str = "") -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if sys.excepthook == self._on_uncaught:
+            sys.excepthook = self._excepthook
         for h in self.handles:
             h.finish()
         try:
@@ -333,6 +339,8 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
             return InertHandle("DDPSCOPE_DISABLE is set")
         try:
             if _PROCESS is None or not _PROCESS.publisher._alive:
+                if _PROCESS is not None:
+                    _PROCESS.finish(reason="close")  # release its global hooks first
                 _PROCESS = _Process(opts, model)
             handle = Handle(model, _PROCESS, len(_PROCESS.handles))
             _PROCESS.handles.append(handle)
