@@ -188,8 +188,7 @@ class Handle:
             self.comm.tracker = self.tracker
         self.publisher.post("run_info", index, self._run_info())
         if opts.checksum_every != -1:
-            self.guard(self.fingerprinter.start, 0, "initial")
-            self.publisher.post("fingerprint", index, None, self._finish_fingerprint)
+            self._fingerprint(0, "initial")
 
     @property
     def enabled(self) -> bool:
@@ -227,12 +226,18 @@ class Handle:
 
         return hook
 
-    def guard(self, fn: Callable[..., Any], *args: Any) -> None:
+    def guard(self, fn: Callable[..., Any], *args: Any) -> bool:
         try:
             fn(*args)
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             self.tracker.fail(exc)
+            return False
+        return True
+
+    def _fingerprint(self, step: int, reason: str) -> None:
+        if self.guard(self.fingerprinter.start, step, reason):
+            self.publisher.post("fingerprint", self.index, None, self._finish_fingerprint)
 
     def _run_info(self) -> dict[str, Any]:
         fields = dict(self._info)
@@ -256,8 +261,7 @@ class Handle:
             self.publisher.post("hparams", self.index, {"step": step, "optimizers": self._hparams})
         fp = self.fingerprinter
         if fp.due(step, self.tracker.median_step_ns()):
-            fp.start(step, fp.pending_reason)
-            self.publisher.post("fingerprint", self.index, None, self._finish_fingerprint)
+            self._fingerprint(step, fp.pending_reason)
 
     def _finish_fingerprint(self, _payload: Any, force: bool) -> dict[str, Any] | None:
         return self.fingerprinter.poll(force)
@@ -267,8 +271,7 @@ class Handle:
             return
         self.guard(self.tracker.flush)
         if self.fingerprinter.every != -1:
-            self.guard(self.fingerprinter.start, self.step, "final")
-            self.publisher.post("fingerprint", self.index, None, self._finish_fingerprint)
+            self._fingerprint(self.step, "final")
         for h in self._hooks:
             h.remove()
         self.tracker.enabled = False

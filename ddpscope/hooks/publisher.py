@@ -159,9 +159,14 @@ class Publisher:
             if finisher is None:
                 fields = payload
             else:
-                fields = finisher(payload, force or now - born > FORCE_AFTER_NS)
+                forced = force or now - born > FORCE_AFTER_NS
+                fields = finisher(payload, forced)
                 if fields is None:
-                    return  # keep order: later items wait for this one
+                    if not forced:
+                        return  # keep order: later items wait for this one
+                    q.popleft()  # nothing to send even when forced: never stall on it
+                    self.dropped_queue += 1
+                    continue
             q.popleft()
             fields.setdefault("t", born)
             self._emit(kind, model, fields, record=True)
