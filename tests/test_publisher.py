@@ -180,14 +180,12 @@ def test_close_is_fast_and_idempotent(endpoint: str) -> None:
 
 
 def test_an_item_that_never_finishes_cannot_stall_the_queue(endpoint: str) -> None:
-    with Subscriber(endpoint) as sub:
-        pub = _publisher(endpoint)
-        pub.post("fingerprint", 0, None, lambda payload, force: None)
-        pub.post("end", 0, {"reason": "after", "step": 1})
-        pub._drain(force=False)
-        assert len(pub._queue) == 2  # waits while the first is not ready...
-        pub._drain(force=True)
-        assert len(pub._queue) == 0  # ...and gives it up when forced
-        assert pub.dropped_queue == 1
-        pub.close()
-        del sub
+    pub = _publisher(endpoint)
+    pub.post("fingerprint", 0, None, lambda payload, force: None)
+    pub.post("end", 0, {"reason": "after", "step": 1})
+    pub._drain(force=False)
+    assert len(pub._queue) == 2  # waits while the first is not ready...
+    pub._drain(force=True)
+    assert len(pub._queue) == 0  # ...and gives it up when forced
+    assert pub.dropped_queue == 1
+    pub.close()
