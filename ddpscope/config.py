@@ -2,7 +2,7 @@
 
 Precedence: a keyword passed to ``attach`` beats the environment, which beats
 the default. Every option has one environment variable; docs/configuration.md
-lists them (generated from ``OPTIONS`` below by a test, so they cannot drift).
+lists them, and a test checks that every entry of ``OPTIONS`` is there.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class Step(Message):
     other_ns: int
     #: Time the training thread was blocked waiting for gradient all-reduce.
     comm_wait_ns: int
-    #: Forward/backward passes in this step (>1 under no_sync accumulation).
+    #: Backward passes in this step (>1 under no_sync accumulation).
     micro_batches: int
     #: optimizer.step() calls observed; 0 when GradScaler skipped the step.
     optimizer_steps: int
@@ -131,7 +131,7 @@ class Heartbeat(Message):
     KIND: ClassVar[str] = "heartbeat"
     phase: str
     step: int
-    #: Bucket whose all-reduce is in flight, -1 when none.
+    #: Last bucket handed to all-reduce in the current step, -1 when none yet.
     bucket: int
     in_phase_s: float
     cpu_pct: float
@@ -145,13 +145,15 @@ class Heartbeat(Message):
     dropped_send: int = 0
     #: All-reduces this rank shadowed under Join after running out of data.
     join_shadow: int = 0
+    #: Control messages from the watcher that were malformed or not allowed.
+    rejected_requests: int = 0
     wall_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stacks(Message):
     KIND: ClassVar[str] = "stacks"
-    #: "request" (watcher asked), "stuck" (rank stuck in one phase), "exit".
+    #: "request" (watcher asked) or "stuck" (rank stuck in one phase).
     reason: str
     phase: str
     step: int
@@ -166,6 +168,8 @@ class SamplerPass(Message):
     KIND: ClassVar[str] = "sampler_pass"
     loader: int
     pass_id: int
+    #: Process-wide pass counter across loaders; Step.loader_pass refers to it.
+    global_pass: int = -1
     step: int
     #: Whether the model was in training mode with grad enabled at the time.
     training: bool
@@ -196,6 +200,7 @@ class SamplerPassEnd(Message):
     KIND: ClassVar[str] = "sampler_pass_end"
     loader: int
     pass_id: int
+    global_pass: int = -1
     step: int
     #: Indices actually drawn from the sampler during the pass.
     count: int
@@ -233,7 +238,8 @@ class HParams(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class End(Message):
     KIND: ClassVar[str] = "end"
-    #: "exit" (interpreter exit), "close" (handle closed), "disabled" (internal error).
+    #: "exit" (interpreter exit), "exception" (uncaught exception, traceback in
+    #: ``error``), "close" (handle closed), "disabled" (internal error).
     reason: str
     step: int
     error: str = ""
@@ -278,7 +284,10 @@ def encode(msg: Message) -> bytes:
 
 
 def encode_fields(kind: str, fields: dict[str, Any]) -> bytes:
-    """Encode from a plain dict, for the publisher's fast path (no dataclass)."""
+    """Encode from a plain dict, for the publisher's fast path (no dataclass).
+
+    Adds the "k" and "v" keys to ``fields`` itself, to save a copy.
+    """
     fields["k"] = kind
     fields.setdefault("v", SCHEMA_VERSION)
     return msgpack.packb(fields, use_bin_type=True)

@@ -20,13 +20,13 @@ TICK_NS = 250_000_000
 
 def merged(recording: Recording) -> Iterator[Message]:
     """All ranks' messages in the order they were created (sender clocks)."""
-    streams = [iter(msgs) for _, msgs in sorted(recording.messages.items())]
+    # Within a rank, write order is not strictly time order (a queued step is
+    # written after a heartbeat emitted later), so sort before merging.
+    streams = [sorted(msgs, key=lambda m: m.t) for _, msgs in sorted(recording.messages.items())]
     return heapq.merge(*streams, key=lambda m: m.t)
 
 
-def replay(
-    messages: Iterable[Message], analysis: Analysis, tick_ns: int = TICK_NS
-) -> Analysis:
+def replay(messages: Iterable[Message], analysis: Analysis, tick_ns: int = TICK_NS) -> Analysis:
     """Feed recorded messages as if live: the analysis clock is the sender's clock."""
     next_tick = None
     last = 0

@@ -178,6 +178,8 @@ class RunState:
             # A new process took this rank over (restarted worker): new sequence.
             view.seq_low = view.seq_high = -1
             view.seq_count = 0
+        if msg.seq < 0:
+            return True  # a periodic re-send: outside the numbered stream
         view.seq_count += 1
         view.seq_low = msg.seq if view.seq_low < 0 else min(view.seq_low, msg.seq)
         view.seq_high = max(view.seq_high, msg.seq)

@@ -179,6 +179,7 @@ class Handle:
         self._info = runinfo.run_info_fields(model, opts, proc.started_wall_ns)
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
+        self._hparams_step = 0
         self._hooks = [
             model.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
             model.register_forward_hook(self._guarded(self.tracker.forward_post)),
@@ -249,22 +250,30 @@ class Handle:
         if self.tracker.layout_gen:
             out.append(("buckets", self.index, self.tracker.layout_fields()))
         if self._hparams:
-            out.append(("hparams", self.index, {"step": self.step, "optimizers": self._hparams}))
+            fields = {"step": self._hparams_step, "optimizers": self._hparams}
+            out.append(("hparams", self.index, fields))
         return out
 
     def _on_step_end(self, step: int) -> None:
         opts = list(self.tracker.optimizers.values())
         key = hparams_key(opts)
-        if key != self._hparams_key:
+        if opts and key != self._hparams_key:
             self._hparams_key = key
             self._hparams = hparams(opts)
+            self._hparams_step = step
             self.publisher.post("hparams", self.index, {"step": step, "optimizers": self._hparams})
         fp = self.fingerprinter
         if fp.due(step, self.tracker.median_step_ns()):
             self._fingerprint(step, fp.pending_reason)
 
     def _finish_fingerprint(self, _payload: Any, force: bool) -> dict[str, Any] | None:
-        return self.fingerprinter.poll(force)
+        # Never wait here: on a GPU stuck behind a hung collective, waiting
+        # would freeze heartbeats exactly when they matter. A check that is
+        # still not done when forced is given up (and counted as dropped).
+        fields = self.fingerprinter.poll(False)
+        if fields is None and force:
+            self.fingerprinter.discard_oldest()
+        return fields
 
     def finish(self) -> None:
         if not self.tracker.enabled:

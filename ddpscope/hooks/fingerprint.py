@@ -617,6 +617,12 @@ class Fingerprinter:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
+    def discard_oldest(self) -> None:
+        """Give up on the oldest check (it never completed), so later ones can go out."""
+        with self._poll_lock:
+            if self._in_flight:
+                self._in_flight.popleft()
+
     def poll(self, force: bool = False) -> dict[str, Any] | None:
         """The oldest started check once its digests reached the host, else None.
 

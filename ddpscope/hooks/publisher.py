@@ -175,12 +175,23 @@ class Publisher:
         fields["run"] = self.run_id
         fields["rank"] = self.rank
         fields["model"] = model
-        fields["seq"] = self._seq
+        # Re-sends (record=False) carry seq -1: sequence numbers count the
+        # stream of record, so a gap always means a lost message.
+        if record:
+            fields["seq"] = self._seq
+            self._seq += 1
+        else:
+            fields["seq"] = -1
         fields.setdefault("t", time.monotonic_ns())
-        self._seq += 1
         payload = encode_fields(kind, fields)
         if record and self._writer is not None:
-            self._writer.append(payload)
+            try:
+                self._writer.append(payload)
+            except OSError as exc:  # disk full, directory gone: keep the live stream
+                log.warning("ddpscope stopped recording on rank %d: %s", self.rank, exc)
+                self.error = f"recording stopped: {exc}"
+                self._writer.close()
+                self._writer = None
         try:
             self._pub.send(payload, zmq.DONTWAIT)
             self.sent += 1
@@ -205,6 +216,7 @@ class Publisher:
             "dropped_queue": self.dropped_queue,
             "dropped_send": self.dropped_send,
             "join_shadow": st.join_shadow,
+            "rejected_requests": self.rejected_requests,
             "wall_ns": time.time_ns(),
             "t": mono,
         }

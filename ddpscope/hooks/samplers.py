@@ -378,6 +378,7 @@ class _Pass:
         return {
             "loader": self.loader,
             "pass_id": self.pass_id,
+            "global_pass": self.gid,
             "step": step,
             "count": self.count if tracked else -1,
             "complete": complete,
@@ -528,6 +529,7 @@ class SamplerProbe:
         fields: dict[str, Any] = {
             "loader": rec.loader,
             "pass_id": rec.pass_id,
+            "global_pass": rec.gid,
             "step": int(self._current_step()),
             "training": bool(self._training()),
             "sampler_type": _qualname(

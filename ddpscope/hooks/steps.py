@@ -27,6 +27,7 @@ into figures happens in :meth:`StepTracker.finish`, on the publisher thread.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -37,7 +38,7 @@ from ddpscope.hooks.publisher import Publisher
 
 log = logging.getLogger("ddpscope")
 
-DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER, EVAL = range(6)
+DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER = range(5)
 _PHASE_FIELD = {
     FORWARD: "forward_ns",
     BACKWARD: "backward_ns",
@@ -96,6 +97,7 @@ class StepTracker:
         self._layout_params: dict[int, list[int]] = {}
         self._layout_dtype: dict[int, str] = {}
         self._layout_dirty = False
+        self._layout_step = 0
         self._recent: list[int] = []
         self._new_step(None)
         self._prev_end: int | None = None
@@ -118,17 +120,20 @@ class StepTracker:
         self._bwd = 0
         self._synced = False
         self._opt = 0
+        self._eval_ns = 0
 
     # --- forward -------------------------------------------------------------
 
     def forward_pre(self, module: Any, args: Any) -> None:
         if not self.enabled:
             return
-        t = self.stamp()
         if not torch.is_grad_enabled():
-            self._eval_start = t
+            # Host clock: evaluation can run thousands of batches between two
+            # steps, which must not cycle the CUDA event ring.
+            self._eval_start = time.monotonic_ns()
             self.state.enter("eval")
             return
+        t = self.stamp()
         if self._synced:
             # A synced backward without an optimizer step after it: GradScaler
             # skipped the step, or the update is done by hand.
@@ -145,11 +150,11 @@ class StepTracker:
     def forward_post(self, module: Any, args: Any, output: Any) -> None:
         if not self.enabled:
             return
-        t = self.stamp()
         if not torch.is_grad_enabled():
-            self._iv.append((EVAL, self._eval_start, t))
+            self._eval_ns += time.monotonic_ns() - self._eval_start
             self.state.enter("idle")
             return
+        t = self.stamp()
         self._iv.append((FORWARD, self._fwd_start, t))
         self._prev_end = t
         self.state.enter("idle")
@@ -265,6 +270,12 @@ class StepTracker:
         if self._start is None:
             self._start = end
         epoch, loader_pass = self.sampler_state()
+        if self._b_index and len(self._b_index) != len(self._layout):
+            seen = set(self._b_index)
+            for gone in [i for i in self._layout if i not in seen]:
+                # A rebuild left fewer buckets: forget the old indices.
+                del self._layout[gone], self._layout_params[gone], self._layout_dtype[gone]
+                self._layout_dirty = True
         if self._layout_dirty:
             self._post_layout()
         payload = (
@@ -281,6 +292,7 @@ class StepTracker:
             epoch,
             loader_pass,
             self.layout_gen,
+            self._eval_ns,
         )
         self.pub.post("step", self.model_index, payload, self.finish)
         recent = self._recent
@@ -307,6 +319,7 @@ class StepTracker:
     def _post_layout(self) -> None:
         self._layout_dirty = False
         self.layout_gen += 1
+        self._layout_step = self.step
         indices = sorted(self._layout)
         self.pub.post("buckets", self.model_index, self.layout_fields(indices))
 
@@ -314,7 +327,7 @@ class StepTracker:
         indices = sorted(self._layout) if indices is None else indices
         return {
             "generation": self.layout_gen,
-            "step": self.step,
+            "step": self._layout_step,
             "index": indices,
             "nbytes": [self._layout[i] for i in indices],
             "dtype": [self._layout_dtype[i] for i in indices],
@@ -324,9 +337,22 @@ class StepTracker:
     # --- publisher thread ----------------------------------------------------
 
     def finish(self, payload: tuple[Any, ...], force: bool) -> dict[str, Any] | None:
-        (step, start, end, iv, b_index, b_nbytes, b_start, b_end, bwd, opt, epoch, lpass, gen) = (
-            payload
-        )
+        (
+            step,
+            start,
+            end,
+            iv,
+            b_index,
+            b_nbytes,
+            b_start,
+            b_end,
+            bwd,
+            opt,
+            epoch,
+            lpass,
+            gen,
+            evaluated,
+        ) = payload
         clock = self.clock
         if -1 in b_end and not force:
             return None
@@ -339,14 +365,15 @@ class StepTracker:
         at = dict(zip(device_tokens, times, strict=True))
         t_start, t_end = clock.host_ns(start), clock.host_ns(end)
         sums = dict.fromkeys(_PHASE_FIELD.values(), 0)
-        data = evaluated = 0
+        data = 0
         for kind, a, b in iv:
             if kind == DATA:
                 data += clock.host_ns(b) - clock.host_ns(a)
-            elif kind == EVAL:
-                evaluated += at[b] - at[a]
             else:
                 sums[_PHASE_FIELD[kind]] += at[b] - at[a]
+        # Evaluation between steps falls inside the gap before the next
+        # forward; it is not waiting for data, so it moves to "other".
+        data = max(0, data - evaluated)
         offsets = [at[t] - t_start for t in b_start]
         durations = [at[e] - at[s] if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
         accounted = data + sum(sums.values())

@@ -1,6 +1,6 @@
 """Recording a run to disk, and reading it back.
 
-Layout: ``DIR/<run_id>/rank-00000.ddps``, one append-only file per rank
+Layout: ``DIR/<run_id>/rank-00000-<pid>.ddps``, one append-only file per rank
 process. See docs/record-format.md.
 """
 

@@ -38,10 +38,11 @@ class RankFile:
         self.problems: list[str] = []
         with open(path, "rb") as f:
             pre = f.read(PREAMBLE.size)
-            if len(pre) < PREAMBLE.size or not pre.startswith(MAGIC):
-                if len(pre) < len(MAGIC) and MAGIC.startswith(pre):
-                    raise RecordError(f"{path}: empty or cut short before its header")
+            looks_ours = MAGIC.startswith(pre) if len(pre) < len(MAGIC) else pre.startswith(MAGIC)
+            if not looks_ours:
                 raise RecordError(f"{path}: not a ddpscope record file (starts with {pre[:8]!r})")
+            if len(pre) < PREAMBLE.size:
+                raise RecordError(f"{path}: empty or cut short before its header")
             _, version, _flags, head_len = PREAMBLE.unpack(pre)
             if version != FORMAT_VERSION:
                 raise RecordError(
@@ -109,8 +110,9 @@ class RankFile:
     def _truncated(self, f: Any, pos: int, index: int) -> None:
         end = f.seek(0, os.SEEK_END)
         self.truncated_bytes = end - pos
+        where = f"after record {index - 1}" if index else "before the first record"
         self.problems.append(
-            f"{self.path}: truncated tail after record {index - 1} "
+            f"{self.path}: truncated tail {where} "
             f"({self.truncated_bytes} bytes of a partial record ignored; the rank was "
             "probably killed mid-write)"
         )
@@ -203,11 +205,10 @@ def open_run(directory: str, run_id: str | None = None) -> Recording:
         raise RecordError(f"{run.path}: no readable rank file: " + "; ".join(run.problems))
     messages: dict[int, list[Message]] = {}
     problems = list(run.problems)
-    for rf in run.files:
+    # Files keep write order; several processes of one rank follow each other.
+    for rf in sorted(run.files, key=lambda f: (_int(f.header.get("wall_ns"), 0), f.path)):
         messages.setdefault(rf.rank, []).extend(rf.messages())
         problems.extend(rf.problems)
-    for msgs in messages.values():
-        msgs.sort(key=lambda m: m.seq)
     return Recording(run=run, messages=messages, problems=problems)
 
 

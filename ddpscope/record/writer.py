@@ -16,6 +16,7 @@ from ddpscope.record.format import (
     MAGIC,
     PREAMBLE,
     RECORD_HEAD,
+    SUFFIX,
     U32,
     crc32,
     rank_file_name,
@@ -26,11 +27,23 @@ class RecordWriter:
     def __init__(self, directory: str, run_id: str, rank: int, header: dict) -> None:
         self.run_dir = os.path.join(directory, _safe(run_id))
         os.makedirs(self.run_dir, exist_ok=True)
-        self.path = os.path.join(self.run_dir, rank_file_name(rank, os.getpid()))
         head = msgpack.packb(header, use_bin_type=True)
-        self._fd: int | None = os.open(
-            self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644
-        )
+        self._fd: int | None = None
+        base = rank_file_name(rank, os.getpid())
+        for n in range(1000):
+            # A second writer in one process (attach again after close) gets
+            # its own file rather than appending to a closed stream.
+            name = base if n == 0 else base.replace(SUFFIX, f"-{n}{SUFFIX}")
+            self.path = os.path.join(self.run_dir, name)
+            try:
+                self._fd = os.open(
+                    self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644
+                )
+                break
+            except FileExistsError:
+                continue
+        if self._fd is None:
+            raise FileExistsError(f"{self.run_dir}: no free file name for rank {rank}")
         self._write(
             PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(head)) + head + U32.pack(crc32(head))
         )
