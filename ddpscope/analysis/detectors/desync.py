@@ -1,0 +1,298 @@
+"""Desync: replicas whose weights are no longer bit-identical.
+
+DDP keeps replicas equal only because every rank applies the same averaged
+gradient to the same weights. Ranks send fingerprints (one 64-bit digest per
+parameter and per buffer, in RunInfo order) after the optimizer step at the
+same step indices, so comparing the digests of one step across ranks is exact:
+any difference is a desync, found at the first fingerprint after it happened.
+
+A step is compared once every known rank has sent its fingerprint, or, when
+some rank never will (it dropped the message, fingerprints at another
+interval, or died), once every rank has moved past it; then among those that
+did.
+
+Who is wrong: per tensor, the value most ranks hold (a strict majority) is the
+reference and the ranks holding another value are the minority. With 2 ranks,
+or a tie, there is no majority: every rank involved is named and the lowest
+rank (rank 0) serves as the reference.
+
+Parameters and buffers are reported apart (keys ``params`` and ``buffers``).
+Buffers are only compared when DDP runs with ``broadcast_buffers=False``:
+with the default ``True`` DDP re-broadcasts rank 0's buffers at every forward,
+and BatchNorm then updates its running statistics from each rank's own batch,
+so buffers legitimately differ between two forwards on a healthy run. With
+``broadcast_buffers=False`` a difference persists and is reported, as a
+warning: the replicas train identically but evaluate (and checkpoint)
+differently.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.state import RunState
+from ddpscope.schema import End, Fingerprint, Message
+
+KIND = "desync"
+#: Tensor names quoted in a message; the evidence keeps more.
+NAMES_IN_MESSAGE = 3
+NAMES_IN_EVIDENCE = 16
+#: Incomplete steps remembered while waiting for the missing ranks.
+MAX_PENDING = 256
+
+_WHAT = {"params": ("parameter", "parameters"), "buffers": ("buffer", "buffers")}
+
+_FIX_PARAMS = (
+    "Replicas must apply identical updates. Usual causes: an in-place edit of weights on "
+    "some ranks only (loading a checkpoint, re-initialising or clamping weights on rank 0 "
+    "alone); a rank-dependent learning rate or optimizer setting; parameters that get no "
+    "gradient on some ranks (excluded from the backward, or requires_grad changed on one "
+    "rank) yet are updated by weight decay or momentum; a custom comm hook that does not "
+    "average. Make such edits on every rank or broadcast the weights from rank 0 afterwards "
+    "(torch.distributed.broadcast of each parameter), give every rank the same optimizer "
+    "settings, and use find_unused_parameters=True or static_graph=True when the set of used "
+    "parameters varies."
+)
+_FIX_BUFFERS = (
+    "DDP runs with broadcast_buffers=False, so each rank keeps its own buffers: BatchNorm "
+    "running statistics are updated from the local batch only and drift apart, and "
+    "evaluation and checkpoints depend on which rank they come from. Use "
+    "broadcast_buffers=True, SyncBatchNorm (torch.nn.SyncBatchNorm.convert_sync_batchnorm), "
+    "or average/broadcast the buffers before evaluating or saving. Buffers edited in place "
+    "on one rank only also show up here."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class _Diff:
+    """How one kind of tensor (params or buffers) differs at one step."""
+
+    indices: list[int]
+    #: Rank -> number of differing tensors in which it holds a minority value.
+    minority: Counter[int]
+    #: Tensors with no strict majority value (the lowest rank is the reference there).
+    ambiguous: int
+    ranks: list[int]
+
+
+@dataclass
+class _Memo:
+    #: Step -> number of ranks it was compared with.
+    compared: dict[int, int] = field(default_factory=dict)
+    compared_order: deque[int] = field(default_factory=deque)
+    pending: set[int] = field(default_factory=set)
+    #: Step -> ranks whose fingerprint of it arrived (until compared).
+    arrived: dict[int, set[int]] = field(default_factory=dict)
+    #: Newest fingerprint step each rank sent.
+    newest: dict[int, int] = field(default_factory=dict)
+    #: Newest step compared, per kind of tensor.
+    latest: dict[str, int] = field(default_factory=dict)
+
+
+def compare(digests: dict[int, list[int]]) -> _Diff | None:
+    """Per-tensor majority vote over ranks' digest lists; None when all agree."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r, values in digests.items():
+        groups.setdefault(tuple(values), []).append(r)
+    if len(groups) < 2:
+        return None
+    n = len(digests)
+    width = max(len(k) for k in groups)
+    indices: list[int] = []
+    minority: Counter[int] = Counter()
+    ambiguous = 0
+    for i in range(width):
+        votes: Counter[int | None] = Counter()
+        for key, ranks in groups.items():
+            votes[key[i] if i < len(key) else None] += len(ranks)
+        if len(votes) < 2:
+            continue
+        indices.append(i)
+        value, count = votes.most_common(1)[0]
+        if 2 * count <= n:
+            ambiguous += 1
+            involved = set(digests)  # no majority: everyone is suspect
+        else:
+            involved = {
+                r
+                for key, ranks in groups.items()
+                if (key[i] if i < len(key) else None) != value
+                for r in ranks
+            }
+        minority.update(involved)
+    return _Diff(indices, minority, ambiguous, sorted(minority))
+
+
+def _names(run: RunState, attr: str) -> list[str]:
+    for view in run.ranks.values():
+        if view.info is not None:
+            return [str(entry[0]) for entry in getattr(view.info, attr)]
+    return []
+
+
+def _broadcast_buffers(run: RunState) -> bool:
+    """DDP's broadcast_buffers, True (DDP's default) unless every rank says False."""
+    infos = [v.info for v in run.ranks.values() if v.info is not None]
+    if not infos:
+        return True
+    return any(bool(i.ddp.get("broadcast_buffers", True)) for i in infos)
+
+
+class DesyncDetector:
+    kinds: tuple[str, ...] = (KIND,)
+
+    def __init__(self) -> None:
+        self._memos: dict[str, _Memo] = {}
+
+    def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
+        if isinstance(msg, End):
+            self.tick(run, book)  # a rank that left will send no more fingerprints
+            return
+        if not isinstance(msg, Fingerprint):
+            return
+        memo = self._memos.setdefault(run.run_id, _Memo())
+        memo.newest[msg.rank] = max(memo.newest.get(msg.rank, -1), msg.step)
+        # Count arrivals per step: gathering the row once per step, not once per message.
+        seen = memo.arrived.setdefault(msg.step, set())
+        seen.add(msg.rank)
+        if len(memo.arrived) > MAX_PENDING:
+            del memo.arrived[min(memo.arrived)]
+        if len(seen) >= max(2, run.world_size or len(run.ranks)):
+            memo.pending.discard(msg.step)
+            memo.arrived.pop(msg.step, None)
+            self._compare(run, memo, msg.step, self._rows(run, msg.step), book)
+        else:
+            memo.pending.add(msg.step)
+            if len(memo.pending) > MAX_PENDING:
+                memo.pending.discard(min(memo.pending))
+
+    def tick(self, run: RunState, book: FindingBook) -> None:
+        memo = self._memos.get(run.run_id)
+        if memo is None or not memo.pending:
+            return
+        for step in sorted(memo.pending):
+            if not self._stale(run, memo, step):
+                continue
+            memo.pending.discard(step)
+            rows = self._rows(run, step)
+            if len(rows) >= 2 and memo.compared.get(step, 0) < len(rows):
+                self._compare(run, memo, step, rows, book)
+
+    # --- internals -------------------------------------------------------------------
+
+    def _rows(self, run: RunState, step: int) -> dict[int, Fingerprint]:
+        rows = {}
+        for r in run.expected_ranks():
+            view = run.ranks.get(r)
+            fp = view.fingerprints.get(step) if view is not None else None
+            if fp is not None:
+                rows[r] = fp
+        return rows
+
+    def _stale(self, run: RunState, memo: _Memo, step: int) -> bool:
+        """Every rank either sent this step, moved past it, or ended."""
+        for r in run.expected_ranks():
+            view = run.ranks.get(r)
+            if view is not None and (step in view.fingerprints or view.end is not None):
+                continue
+            if memo.newest.get(r, -1) <= step:
+                return False
+        return True
+
+    def _compare(
+        self,
+        run: RunState,
+        memo: _Memo,
+        step: int,
+        rows: dict[int, Fingerprint],
+        book: FindingBook,
+    ) -> None:
+        memo.compared[step] = len(rows)
+        memo.compared_order.append(step)
+        if len(memo.compared_order) > 4 * MAX_PENDING:
+            memo.compared.pop(memo.compared_order.popleft(), None)
+        if len(rows) < 2:
+            return
+        kinds = ["params"]
+        if not _broadcast_buffers(run):
+            kinds.append("buffers")
+        for what in kinds:
+            if step < memo.latest.get(what, -1):
+                continue  # a late, older step must not overwrite a newer verdict
+            memo.latest[what] = step
+            diff = compare({r: list(getattr(fp, what)) for r, fp in rows.items()})
+            if diff is None:
+                book.resolve(KIND, what)
+            else:
+                self._report(run, what, step, diff, sorted(rows), book)
+
+    def _report(
+        self,
+        run: RunState,
+        what: str,
+        step: int,
+        diff: _Diff,
+        ranks: list[int],
+        book: FindingBook,
+    ) -> None:
+        names = _names(run, what)
+        label = [names[i] if i < len(names) else f"{what}[{i}]" for i in diff.indices]
+        one, many = _WHAT[what]
+        noun = one if len(label) == 1 else many
+        quoted = ", ".join(label[:NAMES_IN_MESSAGE])
+        if len(label) > NAMES_IN_MESSAGE:
+            quoted += f" and {len(label) - NAMES_IN_MESSAGE} more"
+        if diff.ambiguous and len(ranks) == 2:
+            who = (
+                f"rank {ranks[1]} differs from rank {ranks[0]}, the reference (with 2 ranks no "
+                "majority tells which one is wrong)"
+            )
+        elif diff.ambiguous:
+            who = (
+                f"ranks {_list(diff.ranks)} disagree and no value has a majority "
+                f"(rank {ranks[0]} is the reference)"
+            )
+        else:
+            plural = len(diff.ranks) > 1
+            who = f"rank{'s' if plural else ''} {_list(diff.ranks)} differ{'' if plural else 's'}"
+            who += " from the majority"
+        old = book.get(KIND, what)
+        first = old.step if old is not None and old.active else step
+        message = (
+            f"replicas have diverged: {len(label)} {noun} ({quoted}) differ across ranks at "
+            f"step {first}; {who}."
+        )
+        evidence: dict[str, Any] = {
+            "tensors": what,
+            "first_step": first,
+            "step": step,
+            "count": len(label),
+            "of": max(len(names), max(diff.indices) + 1),
+            "names": label[:NAMES_IN_EVIDENCE],
+            "minority_ranks": diff.ranks,
+            "minority_counts": {str(r): c for r, c in sorted(diff.minority.items())[:64]},
+            "reference": f"rank {ranks[0]}" if diff.ambiguous else "majority",
+            "ranks_compared": len(ranks),
+        }
+        if what == "buffers":
+            evidence["broadcast_buffers"] = False
+        book.raise_or_update(
+            what,
+            Finding(
+                kind=KIND,
+                severity="error" if what == "params" else "warning",
+                ranks=diff.ranks,
+                step=step,
+                message=message,
+                fix=_FIX_PARAMS if what == "params" else _FIX_BUFFERS,
+                evidence=evidence,
+            ),
+        )
+
+
+def _list(ranks: list[int], limit: int = 8) -> str:
+    text = ", ".join(str(r) for r in ranks[:limit])
+    return text + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")

@@ -1,0 +1,540 @@
+"""Stragglers: the rank whose own work is persistently slower, not the ranks waiting for it.
+
+In synchronous DDP every rank's step takes the same wall time: the
+all-reduce evens them out. The fast ranks reach the all-reduce early and wait
+for the slow one, so step time says nothing about who is slow. What differs is
+how each rank spends the step.
+
+The measure
+-----------
+Per step and rank, ``own(r) = step_time(r) - comm_wait(r)``: the time rank r
+spent on its own work (data, forward, backward, optimizer and everything
+between them, the "other" time), leaving out the time its training thread sat
+blocked on the gradient all-reduce. A waiter's wait lands in ``comm_wait``;
+the straggler's extra time lands in its own phases, whichever they are (a
+``time.sleep`` between backward and ``optimizer.step()`` is "other" time).
+
+This departs from design-notes section 4 (``step - sum_k wait(r,k) -
+data_wait(r)``) in three ways, each forced by real runs:
+
+- The per-bucket waits overlap: every bucket in flight waits for the same
+  straggler at the same time, so their sum counts one wait once per bucket
+  (5 buckets waiting 61 ms each summed to 303 ms on a 67 ms step of the demo).
+  The per-bucket rule (``wait(r,k) = dur(r,k) - min_r dur(r,k)``) is kept, as
+  the maximum over buckets capped by ``comm_wait``, to tell how long the
+  others wait for the straggler (evidence), and to measure own work on runs
+  whose ``comm_wait`` is not measured.
+- The transfer time itself (the minimum duration) is shared by all ranks but
+  is noise: 1-12 ms per step on a loaded 2-core machine against 3.5 ms of
+  compute. Leaving it in would dilute a 50% straggler to ~15%.
+- Data loading is the rank's own work: a hot data loader is the most common
+  straggler, and the waiters absorb its delay at the all-reduce, not in their
+  data phase. Subtracting it would hide exactly that straggler.
+
+The statistics
+--------------
+Each complete step (every known rank reported it; the first
+``warmup`` steps skipped: DDP rebuilds its buckets during step 1 and syncs
+inside its forward) gives every rank a ratio ``own(r) / median of the other
+ranks' own``. With 2 ranks "the others" is the other rank; dividing step by
+step cancels what all ranks share (the whole machine slowing down). The
+window holds the last ``window`` complete steps, and more when those span less
+than ``min_span_s`` of run time: on a shared machine one rank's backward can
+run 3-5x slower for 10-20 steps of 10 ms while the other rank's threads hold
+its core (seen on the 2-core test machine), and a 0.2 s burst is not a
+straggler. For steps of 50 ms and more the step count rules. A rank is a
+straggler when all of these hold over its window:
+
+- score: the median ratio is at least ``1 / score`` (others' median / own
+  median < 0.75, NVIDIA resiliency-ext's rule);
+- persistence: at least ``persist`` of the window's steps are slow (ratio >=
+  ``step_slow``), so a few spikes cannot carry the median;
+- significance: the median log-ratio is ``min_z`` robust standard errors
+  (MAD based) above zero;
+- size: the median excess is at least ``min_excess_ns``, so sub-millisecond
+  steps where scheduler jitter rules are left alone.
+
+It stays flagged until the median ratio falls below ``release``; then the
+finding is resolved. Measured on synthetic lockstep runs (~100 ms steps, ±30%
+jitter per rank, step and phase, 3% 3x spikes; 200 seeds): +50% compute in one
+phase is named 13 steps after its onset (median; worst 18), x1.5 on every
+phase 13 (worst 20 with 8 ranks, 32 in 1% of 2-rank runs); 400 healthy runs
+of 300 steps on 2 and 8 ranks raise nothing.
+
+Limit: a fast rank that waits inside another collective (DDP's buffer
+broadcast in forward on gloo, a ``dist.all_reduce`` of the loss for logging)
+carries that wait in its own phases, which hides the straggler from this
+measure; only all-reduce waits are told apart.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from statistics import median
+from typing import Any
+
+from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.state import RunState
+from ddpscope.schema import Message, Step
+
+KIND = "straggler"
+
+#: (phase name, Step field).
+PHASES: tuple[tuple[str, str], ...] = (
+    ("data", "data_ns"),
+    ("forward", "forward_ns"),
+    ("backward", "backward_ns"),
+    ("optimizer", "optimizer_ns"),
+    ("other", "other_ns"),
+)
+
+_FIX = {
+    "data": (
+        "Rank {r} waits longer for its batches. Check its input pipeline: more DataLoader "
+        "num_workers, pin_memory, prefetch_factor; slow storage or network reads on its host; "
+        "costly per-sample transforms; larger samples (long sequences) landing on this rank."
+    ),
+    "forward": (
+        "Rank {r} computes slower on the same work. Check its host and device: other "
+        "processes competing for its CPU, thread oversubscription (set OMP_NUM_THREADS), a "
+        "throttled or slower GPU (nvidia-smi -q -d PERFORMANCE,CLOCK shows thermal and power "
+        "caps), or bigger inputs on this rank (uneven batch shapes)."
+    ),
+    "optimizer": (
+        "optimizer.step() is slower on rank {r}: CPU contention on its host, optimizer state "
+        "on a slower device or offloaded, or extra work in this rank's optimizer."
+    ),
+    "other": (
+        "Rank {r} runs extra code each step outside forward/backward/optimizer: logging, "
+        "metrics, checkpointing or evaluation on this rank only, .item()/.cpu() "
+        "synchronisations, sleeps. Move that work off the training step, do it on every rank "
+        "in the background, or less often."
+    ),
+}
+_FIX["backward"] = _FIX["forward"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    step: int
+    #: The rank's step time, own work, and the others' median own work (ns).
+    dur: int
+    own: int
+    ref: float
+    ratio: float
+    slow: bool
+
+
+@dataclass
+class _Window:
+    """The last ``size`` samples, or more when they span less than ``min_span_ns``."""
+
+    size: int
+    min_span_ns: int
+    cap: int
+    samples: deque[_Sample] = field(default_factory=deque)
+    slow: int = 0
+    span: int = 0
+
+    def push(self, sample: _Sample) -> None:
+        self.samples.append(sample)
+        self.slow += sample.slow
+        self.span += sample.dur
+        samples = self.samples
+        while len(samples) > self.cap or (
+            len(samples) > self.size and self.span - samples[0].dur >= self.min_span_ns
+        ):
+            old = samples.popleft()
+            self.slow -= old.slow
+            self.span -= old.dur
+
+
+@dataclass
+class _Flag:
+    first_step: int
+    last_evidence_step: int
+    #: Estimated first slow step, fixed when the straggler is first named.
+    onset: int
+    peak: float = 0.0
+    epoch: int = -1
+    message: str = ""
+    fix: str = ""
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Memo:
+    """What the detector remembers about one run."""
+
+    windows: dict[int, _Window] = field(default_factory=dict)
+    flagged: dict[int, _Flag] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    done_order: deque[int] = field(default_factory=deque)
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdict:
+    ratio: float
+    persist: float
+    z: float
+    own: float
+    ref: float
+
+
+def own_ns(step: Step, wait_ns: int | None = None) -> int:
+    """Time a rank spent on its own work in a step: the step minus its all-reduce wait."""
+    total = step.t_end - step.t_start
+    wait = step.comm_wait_ns if wait_ns is None else wait_ns
+    return max(0, total - min(wait, total))
+
+
+def bucket_waits(row: dict[int, Step]) -> dict[int, int] | None:
+    """Per rank, how long it waited at the all-reduce for the others (design notes, 4).
+
+    Per bucket k, ``transfer_k`` is the shortest duration over ranks and
+    ``wait(r,k) = dur(r,k) - transfer_k``. Buckets in flight together wait for
+    the same late rank, so a rank's wait is the largest of its bucket waits
+    (not their sum), capped by the time it was actually blocked when that was
+    measured. None when the ranks' bucket sets differ (before DDP's rebuild).
+    """
+    steps = list(row.values())
+    order = steps[0].b_index
+    if all(s.b_index == order for s in steps):
+        cols = list(zip(*(s.b_dur_ns for s in steps), strict=True))
+    else:  # same buckets launched in another order on some ranks?
+        if len({frozenset(s.b_index) for s in steps}) != 1:
+            return None
+        pos = [{i: k for k, i in enumerate(s.b_index)} for s in steps]
+        cols = [tuple(s.b_dur_ns[p[i]] for s, p in zip(steps, pos, strict=True)) for i in order]
+    # A bucket some rank never saw finish (-1) says nothing about waiting.
+    cols = [c for c in cols if min(c) >= 0]
+    transfer = [min(c) for c in cols]
+    waits = {}
+    for j, (r, s) in enumerate(row.items()):
+        w = max((c[j] - t for c, t in zip(cols, transfer, strict=True)), default=0)
+        waits[r] = min(w, s.comm_wait_ns) if s.comm_wait_ns > 0 else w
+    return waits
+
+
+def median_without(ordered: Sequence[float], value: float) -> float:
+    """Median of ``ordered`` (sorted) with one copy of ``value`` taken out."""
+    n = len(ordered) - 1
+    if n <= 0:
+        return math.nan
+    pos = bisect_left(ordered, value)
+
+    def kth(k: int) -> float:
+        return ordered[k] if k < pos else ordered[k + 1]
+
+    if n % 2:
+        return kth(n // 2)
+    return (kth(n // 2 - 1) + kth(n // 2)) / 2
+
+
+def _ms(ns: float) -> float:
+    return round(ns / 1e6, 3)
+
+
+class StragglerDetector:
+    kinds: tuple[str, ...] = (KIND,)
+
+    def __init__(
+        self,
+        *,
+        window: int = 20,
+        min_steps: int = 10,
+        min_span_s: float = 1.0,
+        max_window: int = 1000,
+        warmup: int = 2,
+        score: float = 0.75,
+        step_slow: float = 1.15,
+        persist: float = 0.7,
+        min_z: float = 3.0,
+        min_excess_ns: int = 500_000,
+        release: float = 1.15,
+        evidence_every: int = 10,
+    ) -> None:
+        self.window = window
+        self.min_steps = min_steps
+        self.min_span_ns = int(min_span_s * 1e9)
+        self.max_window = max_window
+        self.warmup = warmup
+        self.slow_ratio = 1 / score
+        self.step_slow = step_slow
+        self.persist = persist
+        self.min_z = min_z
+        self.min_excess_ns = min_excess_ns
+        self.release = release
+        self.evidence_every = evidence_every
+        self._memos: dict[str, _Memo] = {}
+
+    # --- Detector protocol -----------------------------------------------------
+
+    def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
+        if not isinstance(msg, Step) or msg.step < self.warmup:
+            return
+        row = run.by_step.get(msg.step)
+        # Counting first keeps this O(1) per message; the row holds only ranks of the world.
+        n = run.world_size or len(run.ranks)
+        if row is None or n < 2 or len(row) < n:
+            return
+        expected = run.expected_ranks()
+        if any(r not in row for r in expected):
+            return
+        memo = self._memos.setdefault(run.run_id, _Memo())
+        if msg.step in memo.done:
+            return
+        self._remember(memo, msg.step)
+        self._take(run, memo, msg.step, {r: row[r] for r in expected}, book)
+
+    def tick(self, run: RunState, book: FindingBook) -> None:
+        pass  # everything happens when a step completes
+
+    # --- per complete step -------------------------------------------------------
+
+    def _remember(self, memo: _Memo, step: int) -> None:
+        memo.done.add(step)
+        memo.done_order.append(step)
+        if len(memo.done_order) > 4 * self.window:
+            memo.done.discard(memo.done_order.popleft())
+
+    def _take(
+        self, run: RunState, memo: _Memo, step: int, row: dict[int, Step], book: FindingBook
+    ) -> None:
+        waits = None
+        if all(s.comm_wait_ns <= 0 for s in row.values()):
+            waits = bucket_waits(row)  # blocking time not measured: fall back on buckets
+        own = {r: own_ns(s, waits.get(r) if waits else None) for r, s in row.items()}
+        ordered = sorted(own.values())
+        for r, value in own.items():
+            ref = median_without(ordered, value)
+            if not ref > 0:
+                continue
+            ratio = value / ref
+            win = memo.windows.get(r)
+            if win is None:
+                win = memo.windows[r] = _Window(self.window, self.min_span_ns, self.max_window)
+            s = row[r]
+            win.push(_Sample(step, s.t_end - s.t_start, value, ref, ratio, ratio >= self.step_slow))
+            n = len(win.samples)
+            if r not in memo.flagged and (
+                n < self.min_steps or win.span < self.min_span_ns or win.slow < self.persist * n
+            ):
+                continue  # cheap screen: most ranks stop here
+            self._judge(run, memo, r, win, step, book)
+
+    def _verdict(self, win: _Window) -> _Verdict:
+        samples = win.samples
+        logs = [math.log(s.ratio) if s.ratio > 0 else -50.0 for s in samples]
+        center = median(logs)
+        mad = median(abs(x - center) for x in logs)
+        # 1.4826 MAD estimates sigma; a median's standard error is ~1.2533 sigma / sqrt(n).
+        se = 1.4826 * mad * 1.2533 / math.sqrt(len(logs))
+        z = center / se if se > 0 else (math.inf if center > 0 else 0.0)
+        return _Verdict(
+            ratio=median(s.ratio for s in samples),
+            persist=win.slow / len(samples),
+            z=z,
+            own=median(s.own for s in samples),
+            ref=median(s.ref for s in samples),
+        )
+
+    def _judge(
+        self, run: RunState, memo: _Memo, r: int, win: _Window, step: int, book: FindingBook
+    ) -> None:
+        v = self._verdict(win)
+        flag = memo.flagged.get(r)
+        if flag is None:
+            if (
+                v.ratio >= self.slow_ratio
+                and v.persist >= self.persist
+                and v.z >= self.min_z
+                and v.own - v.ref >= self.min_excess_ns
+            ):
+                flag = memo.flagged[r] = _Flag(step, step, onset=_onset(win, self.persist))
+                self._report(run, r, win, v, step, flag, book)
+            return
+        if v.ratio < self.release:
+            del memo.flagged[r]
+            self._recovered(r, v, step, flag, book)
+        elif step - flag.last_evidence_step >= self.evidence_every:
+            flag.last_evidence_step = step
+            self._report(run, r, win, v, step, flag, book)
+
+    # --- the finding ----------------------------------------------------------------
+
+    def _report(
+        self,
+        run: RunState,
+        r: int,
+        win: _Window,
+        v: _Verdict,
+        step: int,
+        flag: _Flag,
+        book: FindingBook,
+    ) -> None:
+        steps = [s.step for s in win.samples]
+        ev = _evidence(run, r, steps)
+        flag.peak = max(flag.peak, v.ratio)
+        ev.update(
+            rank=r,
+            own_ms=_ms(v.own),
+            others_own_ms=_ms(v.ref),
+            ratio=round(v.ratio, 3),
+            score=round(1 / v.ratio, 3),
+            peak_ratio=round(flag.peak, 3),
+            slow_steps=f"{win.slow}/{len(win.samples)}",
+            z=round(v.z, 1) if math.isfinite(v.z) else None,
+            window=[steps[0], steps[-1]],
+            onset_step=flag.onset,
+            detected_step=flag.first_step,
+        )
+        # "What if": the step time with this rank at the others' median, never below
+        # the others' own work (the next slowest rank then sets the pace).
+        step_ns = ev["step_ms"] * 1e6
+        what_if = max(step_ns - (v.own - v.ref), v.ref)
+        ev["what_if_step_ms"] = _ms(what_if)
+        ev["cost_ms_per_step"] = _ms(step_ns - what_if)
+        ev["slowdown_pct"] = round((step_ns / what_if - 1) * 100, 1) if what_if > 0 else None
+        grown = ev["grown_phases"]
+        where = " and ".join(
+            f"{_LABEL[p]} (+{ev['phases_ms'][p]['delta']:.1f} ms)" for p in grown[:2]
+        )
+        row = run.by_step.get(step, {})
+        flag.epoch = row[r].epoch if r in row else flag.epoch
+        message = (
+            f"rank {r} is a straggler: its own work takes {_ms(v.own):.1f} ms/step vs "
+            f"{_ms(v.ref):.1f} ms on the other ranks ({_times(v.ratio)}), the extra time "
+            f"{'mostly in ' + where if where else 'spread over all phases'}; the other ranks "
+            f"wait for it at the all-reduce. Steps take {ev['step_ms']:.1f} ms; "
+            f"~{ev['what_if_step_ms']:.1f} ms if rank {r} kept pace with the others."
+        )
+        fix = _FIX[grown[0] if grown else "forward"].format(r=r) + _host_hint(ev)
+        flag.evidence, flag.message, flag.fix = ev, message, fix
+        self._raise(r, flag, step, book, active=True)
+
+    def _recovered(self, r: int, v: _Verdict, step: int, flag: _Flag, book: FindingBook) -> None:
+        flag.evidence = {**flag.evidence, "recovered_step": step, "ratio_now": round(v.ratio, 3)}
+        flag.message = (
+            f"rank {r} was a straggler from step {flag.first_step} to step {step} (own work up "
+            f"to {_times(flag.peak)} the other ranks'); it has caught up ({_times(v.ratio)} now)."
+        )
+        self._raise(r, flag, step, book, active=False)
+
+    def _raise(self, r: int, flag: _Flag, step: int, book: FindingBook, *, active: bool) -> None:
+        book.raise_or_update(
+            str(r),
+            Finding(
+                kind=KIND,
+                severity="warning",
+                ranks=[r],
+                step=step,
+                epoch=flag.epoch,
+                message=flag.message,
+                fix=flag.fix,
+                evidence=flag.evidence,
+                active=active,
+            ),
+        )
+
+
+_LABEL = {
+    "data": "data loading",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer.step()",
+    "other": "code outside data/forward/backward/optimizer",
+}
+
+
+def _times(ratio: float) -> str:
+    """A ratio as people say it: +35% below 2x, 3.2x above."""
+    return f"{ratio:.1f}x" if ratio >= 2 else f"{(ratio - 1) * 100:+.0f}%"
+
+
+def _onset(win: _Window, persist: float) -> int:
+    """First step of the longest recent stretch in which the rank was mostly slow."""
+    onset = win.samples[-1].step
+    slow = 0
+    for i, s in enumerate(reversed(win.samples), 1):
+        slow += s.slow
+        if s.slow and slow >= persist * i:
+            onset = s.step
+    return onset
+
+
+def _evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
+    """Phase split, step time, the others' wait and host context over the window."""
+    mine: dict[str, list[int]] = {p: [] for p, _ in PHASES}
+    theirs: dict[str, list[float]] = {p: [] for p, _ in PHASES}
+    step_ns: list[float] = []
+    others_wait: list[float] = []
+    steps = list(steps)
+    last = steps[-1] if steps else 0
+    for s in steps:
+        row = run.by_step.get(s)
+        if not row or r not in row:
+            continue
+        others = [x for q, x in row.items() if q != r]
+        for p, attr in PHASES:
+            mine[p].append(getattr(row[r], attr))
+            theirs[p].append(median(getattr(x, attr) for x in others))
+        step_ns.append(median(x.t_end - x.t_start for x in row.values()))
+        # The bucket rule costs O(ranks x buckets): the window's last steps suffice.
+        waits = bucket_waits(row) if s >= last - 8 else None
+        if waits is not None:
+            others_wait.append(median(w for q, w in waits.items() if q != r))
+        else:
+            others_wait.append(median(x.comm_wait_ns for x in others))
+    if not step_ns:
+        return {"phases_ms": {}, "grown_phases": [], "step_ms": 0.0}
+    phases = {}
+    for p, _ in PHASES:
+        a, b = median(mine[p]), median(theirs[p])
+        phases[p] = {"rank": _ms(a), "others": _ms(b), "delta": _ms(a - b)}
+    excess = sum(max(0.0, d["delta"]) for d in phases.values())
+    # Phases that carry at least a fifth of the extra time, largest first.
+    grown = sorted(
+        (p for p, d in phases.items() if d["delta"] > 0 and d["delta"] >= 0.2 * excess),
+        key=lambda p: -phases[p]["delta"],
+    )
+    step_med = median(step_ns)
+    ev: dict[str, Any] = {
+        "phases_ms": phases,
+        "grown_phases": grown,
+        "step_ms": _ms(step_med),
+        "others_wait_ms": _ms(median(others_wait)),
+        "waiting_ranks": sorted(q for q in run.ranks if q != r)[:16],
+    }
+    ev.update(_host(run, r))
+    return ev
+
+
+def _host(run: RunState, r: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    view = run.ranks.get(r)
+    hb = view.heartbeat if view is not None else None
+    if hb is not None:
+        out["cpu_pct"] = round(hb.cpu_pct, 1)
+        out["rss_bytes"] = hb.rss_bytes
+    others = [v.heartbeat for q, v in run.ranks.items() if q != r and v.heartbeat is not None]
+    if others:
+        out["others_cpu_pct"] = round(median(h.cpu_pct for h in others), 1)
+        out["others_rss_bytes"] = int(median(h.rss_bytes for h in others))
+    return out
+
+
+def _host_hint(ev: dict[str, Any]) -> str:
+    if "cpu_pct" not in ev:
+        return ""
+    text = f" Host context: CPU {ev['cpu_pct']:.0f}%"
+    if "others_cpu_pct" in ev:
+        text += f" (others {ev['others_cpu_pct']:.0f}%)"
+    text += f", RSS {ev['rss_bytes'] / 2**30:.2f} GiB"
+    if "others_rss_bytes" in ev:
+        text += f" (others {ev['others_rss_bytes'] / 2**30:.2f} GiB)"
+    return text + "."

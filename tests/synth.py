@@ -1,0 +1,351 @@
+"""Synthetic telemetry for detector tests: schema messages for N ranks, built directly.
+
+Nothing here imports torch. The centre piece is :func:`lockstep`, a small
+simulation of synchronous DDP: each rank does its own work (data, forward,
+backward, optimizer, other) at its own speed, gradient buckets are launched
+during backward and an all-reduce completes only once the last rank has
+launched it, so the fast ranks wait for the slow one exactly as on a real run
+(equal step times, the waiters' time in ``comm_wait_ns`` and long bucket
+durations). Timings come from a callback, so a test chooses jitter, spikes or
+a straggler per rank and per step.
+
+Typical use::
+
+    msgs = [*run_infos(2), *lockstep(2, 50, healthy(rng))]
+    analysis = feed(Analysis(detectors=[...]), msgs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ddpscope.schema import Fingerprint, Heartbeat, HParams, Message, RunInfo, Step
+
+RUN = "synth-run"
+MS = 1_000_000
+
+#: A small model: [name, shape, dtype, requires_grad] per parameter.
+PARAMS: list[list[Any]] = [
+    ["0.weight", [256, 64], "float32", True],
+    ["0.bias", [256], "float32", True],
+    ["2.weight", [10, 256], "float32", True],
+    ["2.bias", [10], "float32", True],
+]
+#: [name, shape, dtype] per buffer (a BatchNorm's).
+BUFFERS: list[list[Any]] = [
+    ["1.running_mean", [256], "float32"],
+    ["1.running_var", [256], "float32"],
+    ["1.num_batches_tracked", [], "int64"],
+]
+
+
+@dataclass(frozen=True)
+class Phases:
+    """One rank's own work in one step, in ns (everything but the all-reduce wait)."""
+
+    data: int = 1 * MS
+    forward: int = 2 * MS
+    backward: int = 4 * MS
+    optimizer: int = 1 * MS
+    other: int = int(0.5 * MS)
+
+    def scaled(self, factor: float, *fields: str) -> Phases:
+        """These phases with ``fields`` (all when none given) multiplied by ``factor``."""
+        names = fields or ("data", "forward", "backward", "optimizer", "other")
+        return dataclasses.replace(self, **{f: int(getattr(self, f) * factor) for f in names})
+
+    def plus(self, **extra_ns: int) -> Phases:
+        return dataclasses.replace(
+            self, **{f: getattr(self, f) + int(v) for f, v in extra_ns.items()}
+        )
+
+    @property
+    def total(self) -> int:
+        return self.data + self.forward + self.backward + self.optimizer + self.other
+
+
+#: phases(rank, step) -> that rank's own work in that step.
+Timing = Callable[[int, int], Phases]
+
+
+def run_info(
+    rank: int,
+    world: int,
+    *,
+    run: str = RUN,
+    params: list[list[Any]] | None = None,
+    buffers: list[list[Any]] | None = None,
+    ddp: dict[str, Any] | None = None,
+    t: int = 0,
+    **fields: Any,
+) -> RunInfo:
+    values: dict[str, Any] = {
+        "run": run,
+        "rank": rank,
+        "t": t,
+        "local_rank": rank,
+        "world_size": world,
+        "local_world_size": world,
+        "host": "synth-host",
+        "pid": 1000 + rank,
+        "backend": "gloo",
+        "device": "cpu",
+        "versions": {"torch": "synthetic"},
+        "ddp": {"broadcast_buffers": True, "bucket_cap_bytes": 25 << 20, **(ddp or {})},
+        "params": PARAMS if params is None else params,
+        "buffers": BUFFERS if buffers is None else buffers,
+        "wall_ns": 1_700_000_000_000_000_000 + t,
+        "mono_ns": t,
+        "started_wall_ns": 1_700_000_000_000_000_000,
+    }
+    values.update(fields)
+    return RunInfo(**values)
+
+
+def run_infos(world: int, **kw: Any) -> list[RunInfo]:
+    return [run_info(r, world, **kw) for r in range(world)]
+
+
+def heartbeat(
+    rank: int,
+    step: int,
+    t: int,
+    *,
+    run: str = RUN,
+    cpu_pct: float = 50.0,
+    rss_bytes: int = 512 << 20,
+    phase: str = "forward",
+    **fields: Any,
+) -> Heartbeat:
+    values: dict[str, Any] = {
+        "run": run,
+        "rank": rank,
+        "t": t,
+        "phase": phase,
+        "step": step,
+        "bucket": -1,
+        "in_phase_s": 0.0,
+        "cpu_pct": cpu_pct,
+        "rss_bytes": rss_bytes,
+        "threads": 4,
+    }
+    values.update(fields)
+    return Heartbeat(**values)
+
+
+def fingerprint(
+    rank: int,
+    step: int,
+    params: Sequence[int],
+    buffers: Sequence[int] = (),
+    *,
+    run: str = RUN,
+    t: int | None = None,
+    reason: str = "interval",
+) -> Fingerprint:
+    return Fingerprint(
+        run=run,
+        rank=rank,
+        t=step * 10 * MS if t is None else t,
+        step=step,
+        reason=reason,
+        params=list(params),
+        buffers=list(buffers),
+        cost_ns=10_000,
+    )
+
+
+def hparams(
+    rank: int,
+    step: int,
+    *,
+    run: str = RUN,
+    t: int | None = None,
+    groups: list[dict[str, float]] | None = None,
+    optimizers: list[dict[str, Any]] | None = None,
+    opt_type: str = "torch.optim.sgd.SGD",
+    **group: float,
+) -> HParams:
+    """HParams with one optimizer; ``groups`` or a single group from keywords (lr=...)."""
+    if optimizers is None:
+        if groups is None:
+            groups = [{"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, **group}]
+        optimizers = [{"type": opt_type, "groups": groups}]
+    return HParams(
+        run=run, rank=rank, t=step * 10 * MS if t is None else t, step=step, optimizers=optimizers
+    )
+
+
+# --- timings -------------------------------------------------------------------
+
+
+def constant(base: Phases | None = None) -> Timing:
+    p = base or Phases()
+    return lambda rank, step: p
+
+
+def healthy(
+    rng: random.Random,
+    base: Phases | None = None,
+    jitter: float = 0.3,
+    spike_p: float = 0.03,
+    spike: float = 3.0,
+) -> Timing:
+    """Independent noise per rank and step: each phase times U(1-j, 1+j), rare spikes.
+
+    A spike (a preempted process, a page fault storm) multiplies one rank's
+    whole step by ``spike`` for a single step.
+    """
+    p = base or Phases()
+
+    def timing(rank: int, step: int) -> Phases:
+        out = Phases(*(int(getattr(p, f) * rng.uniform(1 - jitter, 1 + jitter)) for f in _FIELDS))
+        if rng.random() < spike_p:
+            out = out.scaled(spike)
+        return out
+
+    return timing
+
+
+def straggler(
+    inner: Timing,
+    rank: int,
+    *,
+    start: int = 0,
+    factor: float | None = None,
+    fields: Sequence[str] = (),
+    extra_ns: dict[str, int] | None = None,
+) -> Timing:
+    """``inner`` with ``rank`` slowed from step ``start`` on: ``fields`` (all when
+    empty) times ``factor`` (default 1.5, or 1 when ``extra_ns`` is given), plus
+    fixed ``extra_ns`` per phase."""
+    scale = factor if factor is not None else (1.0 if extra_ns else 1.5)
+
+    def timing(r: int, step: int) -> Phases:
+        p = inner(r, step)
+        if r != rank or step < start:
+            return p
+        p = p.scaled(scale, *fields)
+        return p.plus(**extra_ns) if extra_ns else p
+
+    return timing
+
+
+_FIELDS = ("data", "forward", "backward", "optimizer", "other")
+
+
+# --- the lockstep simulation -----------------------------------------------------
+
+
+def lockstep(
+    world: int,
+    steps: int,
+    timing: Timing,
+    *,
+    run: str = RUN,
+    buckets: int = 4,
+    transfer_ns: int = 300_000,
+    first_step: int = 0,
+    start_ns: int = 1_000 * MS,
+    heartbeat_every: int = 5,
+    cpu_pct: Callable[[int], float] | None = None,
+    rss_bytes: Callable[[int], int] | None = None,
+) -> list[Message]:
+    """Steps (and heartbeats) of ``world`` ranks in synchronous DDP, ordered by time.
+
+    Per step and rank: data, forward, then backward during which the buckets
+    are launched evenly; bucket k's all-reduce (run one after the other, as a
+    process group does) finishes ``transfer_ns`` after the last rank launched
+    it. A rank then waits for its last bucket (``comm_wait_ns``), runs "other"
+    (code between backward and the optimizer) and the optimizer.
+    """
+    t0 = [start_ns] * world
+    out: list[Message] = []
+    for step in range(first_step, first_step + steps):
+        own = [timing(r, step) for r in range(world)]
+        launch = [
+            [t0[r] + p.data + p.forward + p.backward * (k + 1) // buckets for k in range(buckets)]
+            for r, p in enumerate(own)
+        ]
+        done: list[int] = []
+        for k in range(buckets):
+            ready = max(launch[r][k] for r in range(world))
+            done.append(max(ready, done[-1] if done else 0) + transfer_ns)
+        for r, p in enumerate(own):
+            compute_end = t0[r] + p.data + p.forward + p.backward
+            finalize = max(compute_end, done[-1])
+            end = finalize + p.other + p.optimizer
+            out.append(
+                Step(
+                    run=run,
+                    rank=r,
+                    t=end,
+                    step=step,
+                    t_start=t0[r],
+                    t_end=end,
+                    data_ns=p.data,
+                    forward_ns=p.forward,
+                    backward_ns=p.backward,
+                    optimizer_ns=p.optimizer,
+                    other_ns=p.other,
+                    comm_wait_ns=finalize - compute_end,
+                    micro_batches=1,
+                    optimizer_steps=1,
+                    layout=1,
+                    b_index=list(range(buckets)),
+                    b_nbytes=[1 << 20] * buckets,
+                    b_offset_ns=[launch[r][k] - t0[r] for k in range(buckets)],
+                    b_dur_ns=[done[k] - launch[r][k] for k in range(buckets)],
+                )
+            )
+            if heartbeat_every and step % heartbeat_every == 0:
+                out.append(
+                    heartbeat(
+                        r,
+                        step,
+                        end + 1,
+                        run=run,
+                        cpu_pct=cpu_pct(r) if cpu_pct else 50.0,
+                        rss_bytes=rss_bytes(r) if rss_bytes else 512 << 20,
+                    )
+                )
+            t0[r] = end
+    out.sort(key=lambda m: m.t)
+    return out
+
+
+# --- feeding -------------------------------------------------------------------
+
+
+def sequenced(msgs: Iterable[Message]) -> list[Message]:
+    """The messages with per-rank sequence numbers, as a publisher assigns them."""
+    seq: dict[int, int] = {}
+    out = []
+    for m in msgs:
+        n = seq.get(m.rank, 0)
+        seq[m.rank] = n + 1
+        out.append(dataclasses.replace(m, seq=n))
+    return out
+
+
+def feed(analysis: Any, msgs: Iterable[Message], tick_every_ns: int = 0) -> Any:
+    """Feed messages in order (rx time = sender time), ticking now and then."""
+    last_tick = None
+    for m in sequenced(msgs):
+        analysis.feed(m, m.t)
+        if tick_every_ns and (last_tick is None or m.t - last_tick >= tick_every_ns):
+            analysis.tick(m.t)
+            last_tick = m.t
+    return analysis
+
+
+def findings(analysis: Any, kind: str | None = None) -> list[Any]:
+    """All findings of all runs (of ``kind`` when given), most severe first."""
+    out = []
+    for book in analysis.books.values():
+        out += [f for f in book.sorted() if kind is None or f.kind == kind]
+    return out

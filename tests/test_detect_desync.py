@@ -1,0 +1,171 @@
+"""DesyncDetector on synthetic fingerprints: right tensors, minority ranks, params vs buffers."""
+
+from __future__ import annotations
+
+from synth import BUFFERS, PARAMS, feed, findings, fingerprint, run_infos
+
+from ddpscope.analysis.detectors.desync import DesyncDetector, compare
+from ddpscope.analysis.engine import Analysis
+from ddpscope.schema import End, Fingerprint, Message
+
+P = [11, 22, 33, 44]  # digests of PARAMS, in RunInfo order
+B = [55, 66, 77]  # digests of BUFFERS
+
+
+def fps(world: int, step: int, params=P, buffers=B, **per_rank) -> list[Fingerprint]:  # type: ignore[no-untyped-def]
+    """One fingerprint per rank; per_rank={'r1': (params, buffers)} overrides a rank."""
+    out = []
+    for r in range(world):
+        p, b = per_rank.get(f"r{r}", (params, buffers))
+        out.append(fingerprint(r, step, p, b))
+    return out
+
+
+def changed(values: list[int], *indices: int) -> list[int]:
+    return [v + 1000 if i in indices else v for i, v in enumerate(values)]
+
+
+def analyse(msgs: list[Message], world: int = 2, **info) -> Analysis:  # type: ignore[no-untyped-def]
+    return feed(Analysis(detectors=[DesyncDetector()]), [*run_infos(world, **info), *msgs])
+
+
+def test_identical_replicas_raise_nothing() -> None:
+    msgs = [m for step in range(0, 50, 5) for m in fps(4, step)]
+    assert findings(analyse(msgs, 4)) == []
+
+
+def test_two_ranks_name_the_tensor_and_both_ranks_with_rank_0_as_reference() -> None:
+    msgs = [*fps(2, 0), *fps(2, 1), *fps(2, 2, r1=(changed(P, 0), B)), *fps(2, 3)]
+    found = findings(analyse(msgs[:-2]))
+    assert len(found) == 1
+    f = found[0]
+    assert (f.kind, f.severity, f.step) == ("desync", "error", 2)
+    assert f.ranks == [0, 1]
+    assert f.evidence["names"] == ["0.weight"] and f.evidence["count"] == 1
+    assert f.evidence["tensors"] == "params" and f.evidence["reference"] == "rank 0"
+    assert "0.weight" in f.message and "step 2" in f.message
+    assert "rank 1 differs from rank 0, the reference" in f.message
+    assert "in-place edit" in f.fix and "learning rate" in f.fix
+
+
+def test_majority_vote_names_the_minority_rank_only() -> None:
+    odd = changed(P, 1, 3)
+    msgs = [*fps(4, 0), *fps(4, 8, r2=(odd, B))]
+    (f,) = findings(analyse(msgs, 4))
+    assert f.ranks == [2]
+    assert f.evidence["names"] == ["0.bias", "2.bias"]
+    assert f.evidence["minority_counts"] == {"2": 2}
+    assert f.evidence["reference"] == "majority"
+    assert "rank 2 differs from the majority" in f.message
+
+
+def test_a_tie_names_everyone_and_takes_the_lowest_rank_as_reference() -> None:
+    odd = changed(P, 0)
+    msgs = fps(4, 4, r2=(odd, B), r3=(odd, B))
+    (f,) = findings(analyse(msgs, 4))
+    assert f.ranks == [0, 1, 2, 3]
+    assert f.evidence["reference"] == "rank 0"
+    assert "no value has a majority" in f.message
+
+
+def test_first_step_is_kept_and_later_steps_update_the_finding() -> None:
+    msgs = [m for s in (3, 4, 5) for m in fps(2, s, r1=(changed(P, 0), B))]
+    (f,) = findings(analyse(msgs))
+    assert f.step == 3 and f.evidence["first_step"] == 3 and f.evidence["step"] == 5
+    assert f.updates == 2
+
+
+def test_replicas_back_in_sync_resolve_the_finding() -> None:
+    msgs = [*fps(2, 3, r1=(changed(P, 0), B)), *fps(2, 4)]
+    (f,) = findings(analyse(msgs))
+    assert not f.active
+
+
+def test_buffers_are_compared_only_without_broadcast_buffers() -> None:
+    odd = changed(B, 0, 1)
+    msgs = fps(2, 6, r1=(P, odd))
+    # broadcast_buffers=True (DDP's default): BatchNorm statistics differ between forwards
+    assert findings(analyse(msgs)) == []
+    (f,) = findings(analyse(msgs, ddp={"broadcast_buffers": False}))
+    assert f.evidence["tensors"] == "buffers" and f.severity == "warning"
+    assert f.evidence["names"] == ["1.running_mean", "1.running_var"]
+    assert f.evidence["broadcast_buffers"] is False
+    assert "broadcast_buffers=False" in f.fix and "SyncBatchNorm" in f.fix
+    assert "2 buffers" in f.message
+
+
+def test_params_and_buffers_are_reported_apart() -> None:
+    msgs = fps(3, 6, r1=(changed(P, 2), changed(B, 2)))
+    found = findings(analyse(msgs, 3, ddp={"broadcast_buffers": False}))
+    by_what = {f.evidence["tensors"]: f for f in found}
+    assert set(by_what) == {"params", "buffers"}
+    assert by_what["params"].evidence["names"] == ["2.weight"]
+    assert by_what["buffers"].evidence["names"] == ["1.num_batches_tracked"]
+    assert by_what["params"].ranks == by_what["buffers"].ranks == [1]
+    assert by_what["params"].severity == "error"
+
+
+def test_waits_for_every_rank_before_comparing() -> None:
+    msgs = fps(3, 5, r2=(changed(P, 0), B))
+    analysis = analyse(msgs[:2], 3)
+    assert findings(analysis) == []  # rank 2 not in yet
+    feed(analysis, msgs[2:])
+    assert [f.ranks for f in findings(analysis)] == [[2]]
+
+
+def test_a_step_some_rank_never_sends_is_compared_among_the_others() -> None:
+    # rank 2 dropped its fingerprint of step 5 and went on to step 6
+    five = fps(3, 5, r1=(changed(P, 3), B))[:2]
+    analysis = analyse([*five, *fps(3, 6)[2:]], 3)
+    assert findings(analysis) == []
+    analysis.tick(10**12)
+    (f,) = findings(analysis)
+    assert f.ranks == [0, 1] and f.evidence["ranks_compared"] == 2
+    assert f.evidence["names"] == ["2.bias"]
+    # and with three ranks in, the majority names the odd one
+    msgs = fps(3, 7, r1=(changed(P, 3), B))
+    feed(analysis, msgs)
+    assert findings(analysis)[0].ranks == [1]
+
+
+def test_a_rank_that_ended_does_not_block_the_comparison() -> None:
+    five = fps(3, 5, r1=(changed(P, 3), B))[:2]
+    end = End(run="synth-run", rank=2, t=10**9, reason="exit", step=5)
+    (f,) = findings(analyse([*five, end], 3))
+    assert f.ranks == [0, 1]
+
+
+def test_a_late_older_step_does_not_overwrite_a_newer_verdict() -> None:
+    msgs = [*fps(2, 6, r1=(changed(P, 0), B)), *fps(2, 4)]
+    (f,) = findings(analyse(msgs))
+    assert f.active and f.evidence["step"] == 6
+
+
+def test_names_fall_back_to_indices_without_run_info() -> None:
+    analysis = feed(Analysis(detectors=[DesyncDetector()]), fps(2, 1, r1=(changed(P, 1), B)))
+    (f,) = findings(analysis)
+    assert f.evidence["names"] == ["params[1]"]
+
+
+def test_many_differing_tensors_are_summarised() -> None:
+    params = [[f"layer{i}.weight", [4], "float32", True] for i in range(20)]
+    digests = list(range(20))
+    msgs = fps(2, 1, params=digests, buffers=[], r1=(changed(digests, *range(5, 20)), []))
+    (f,) = findings(analyse(msgs, params=params, buffers=[]))
+    assert f.evidence["count"] == 15 and f.evidence["of"] == 20
+    assert "layer5.weight, layer6.weight, layer7.weight and 12 more" in f.message
+
+
+def test_compare_votes_per_tensor() -> None:
+    assert compare({0: [1, 2], 1: [1, 2], 2: [1, 2]}) is None
+    diff = compare({0: [1, 2], 1: [1, 9], 2: [1, 2], 3: [7, 2]})
+    assert diff is not None
+    assert diff.indices == [0, 1] and diff.ranks == [1, 3] and diff.ambiguous == 0
+    # a rank with a different model (fewer tensors) is the odd one out for the missing ones
+    diff = compare({0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2]})
+    assert diff is not None and diff.indices == [2] and diff.ranks == [2]
+
+
+def test_parameter_and_buffer_names_come_from_run_info() -> None:
+    assert [p[0] for p in PARAMS] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert len(BUFFERS) == len(B)
