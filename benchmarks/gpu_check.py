@@ -1,0 +1,133 @@
+"""Checks of the CUDA paths, for a machine with a GPU (none runs in CI).
+
+    python benchmarks/gpu_check.py --out gpu_check.json
+
+1. Fingerprints computed on the GPU equal those of the same tensors on the
+   CPU, for every dtype ddpscope digests (the hash is defined on raw bits).
+2. EventClock: a matmul timed with two events read lazily agrees with the
+   same matmul timed by synchronising around it.
+3. A real one-process DDP job (NCCL) under ddpscope: steps report
+   clock "cuda", positive phases, bucket all-reduce durations within the
+   step, fingerprints, and no dropped messages.
+
+Prints one JSON object; exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def check_digests() -> dict[str, Any]:
+    from ddpscope.hooks.fingerprint import digest_tensors
+
+    torch.manual_seed(0)
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+              torch.int8, torch.bool, torch.complex64]  # fmt: skip
+    cpu = [torch.randn(1000, 333).to(d) if d != torch.bool else torch.rand(999) > 0.5
+           for d in dtypes]  # fmt: skip
+    gpu = [t.cuda() for t in cpu]
+    t0 = time.perf_counter()
+    on_gpu = digest_tensors(gpu)
+    on_gpu.wait()
+    elapsed = time.perf_counter() - t0
+    same = on_gpu.values() == digest_tensors(cpu).values()
+    return {"ok": same, "dtypes": [str(d) for d in dtypes], "gpu_digest_s": elapsed}
+
+
+def check_event_clock() -> dict[str, Any]:
+    from ddpscope.hooks.clocks import clock_for
+
+    clock = clock_for("cuda")
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter_ns()
+    for _ in range(5):
+        a @ a
+    torch.cuda.synchronize()
+    synced_ns = (time.perf_counter_ns() - t0) / 5
+    start = clock.stamp()
+    for _ in range(5):
+        a @ a
+    end = clock.stamp()
+    early = clock.resolve([start, end], force=False)  # must not block
+    torch.cuda.synchronize()
+    got = clock.resolve([start, end], force=False)
+    assert got is not None
+    event_ns = (got[1] - got[0]) / 5
+    ratio = event_ns / synced_ns
+    return {"ok": 0.8 < ratio < 1.25, "synced_ms": synced_ns / 1e6, "events_ms": event_ns / 1e6,
+            "ratio": ratio, "resolved_before_sync": early is not None}  # fmt: skip
+
+
+def check_job() -> dict[str, Any]:
+    from ddpscope.record import open_run
+    from ddpscope.schema import Fingerprint, Heartbeat, Step
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, DDPSCOPE_RECORD=f"{tmp}/rec", DDPSCOPE_ENDPOINT=f"ipc://{tmp}/s",
+                   DDPSCOPE_CHECKSUM_EVERY="4", PYTHONPATH=str(ROOT))  # fmt: skip
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=1", str(ROOT / "demos" / "train.py"), "--epochs", "2",
+               "--samples", "4096", "--batch", "256", "--width", "2048", "--bucket-mb", "4"]  # fmt: skip
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            return {"ok": False, "stderr": proc.stderr[-3000:]}
+        msgs = open_run(f"{tmp}/rec").messages[0]
+    steps = [m for m in msgs if isinstance(m, Step)]
+    fps = [m for m in msgs if isinstance(m, Fingerprint)]
+    beats = [m for m in msgs if isinstance(m, Heartbeat)]
+    later = steps[2:]
+    within = all(0 < d <= s.t_end - s.t_start for s in later for d in s.b_dur_ns)
+    return {
+        "ok": bool(later)
+        and all(s.clock == "cuda" for s in steps)
+        and within
+        and bool(fps)
+        and all(s.forward_ns > 0 and s.backward_ns > 0 for s in later),
+        "steps": len(steps),
+        "clock": sorted({s.clock for s in steps}),
+        "median_step_ms": sorted((s.t_end - s.t_start) for s in later)[len(later) // 2] / 1e6,
+        "buckets_per_step": len(later[-1].b_index) if later else 0,
+        "bucket_ms_last_step": [d / 1e6 for d in later[-1].b_dur_ns] if later else [],
+        "fingerprints": [(f.step, f.reason, f.cost_ns) for f in fps],
+        "dropped": beats[-1].dropped_queue + beats[-1].dropped_send if beats else None,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"ok": False, "error": "no CUDA device"}))
+        return 2
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for name, fn in (("digests", check_digests), ("event_clock", check_event_clock),
+                     ("ddp_job", check_job)):  # fmt: skip
+        try:
+            result[name] = fn()
+        except Exception as exc:  # report every check, even after one fails
+            result[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    result["ok"] = all(v.get("ok") for v in result.values() if isinstance(v, dict))
+    text = json.dumps(result, indent=2, default=str)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
