@@ -81,7 +81,8 @@ def check_job() -> dict[str, Any]:
                    DDPSCOPE_CHECKSUM_EVERY="4", PYTHONPATH=str(ROOT))  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=1", str(ROOT / "demos" / "train.py"), "--epochs", "2",
-               "--samples", "4096", "--batch", "256", "--width", "2048", "--bucket-mb", "4"]  # fmt: skip
+               "--samples", "4096", "--batch", "256", "--width", "2048",
+               "--bucket-mb", "4"]  # fmt: skip
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if proc.returncode:
             return {"ok": False, "stderr": proc.stderr[-3000:]}
