@@ -42,7 +42,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", default="", help="save final state_dict here (rank 0)")
     p.add_argument("--step-sleep-ms", type=float, default=0.0, help="extra work per step")
     p.add_argument("--ddp-log", default="", help="write DDP's own logging data to PATH.rankN")
-    p.add_argument("--uneven", action="store_true", help="rank 0 has fewer batches (Join)")
+    p.add_argument("--uneven", action="store_true", help="rank 0 has half the batches (Join)")
     p.add_argument("--timing", default="", help="write each step's wall time to PATH.rankN")
     # faults
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank is a straggler")
@@ -90,11 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     x = torch.randn(args.samples, 64, generator=gen)
     y = torch.randint(0, 10, (args.samples,), generator=gen)
     dataset: torch.utils.data.Dataset = TensorDataset(x, y)
-    if args.uneven and rank == 0:
-        dataset = torch.utils.data.Subset(dataset, range(args.samples // 2))
-    if args.manual_shards:
-        dataset = torch.utils.data.Subset(dataset, range(rank, len(dataset), world))
-    if args.unsharded or args.manual_shards:
+    if args.manual_shards or args.uneven:
+        # Manual sharding: each rank its own disjoint slice; --uneven halves rank 0's.
+        mine = range(rank, len(dataset), world)
+        if args.uneven and rank == 0:
+            mine = mine[: len(mine) // 2]
+        dataset = torch.utils.data.Subset(dataset, mine)
+    if args.unsharded or args.manual_shards or args.uneven:
         sampler: torch.utils.data.Sampler = RandomSampler(dataset)
     else:
         seed = rank if args.seed_per_rank else args.seed

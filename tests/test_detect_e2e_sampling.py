@@ -1,0 +1,128 @@
+"""Sampler detectors on real torchrun jobs (gloo, 2 ranks): each demo fault is named, the
+healthy habits (peeks, evaluation loaders, manual Subset shards) are not.
+
+Every job trains ``demos/train.py`` on 256 samples in batches of 32 (4 steps per rank
+and epoch), records with DDPSCOPE_RECORD, and is analysed from the recording. Each
+test also replays the recording one message at a time to check *when* the finding
+appeared, in steps of the run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import DEMO, job_env, torchrun
+
+from ddpscope.analysis.detectors.sampling import (
+    SetEpochDetector,
+    ShardingDetector,
+    UnevenInputsDetector,
+)
+from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.findings import Finding, severity_at_least
+from ddpscope.analysis.sources import analyze_recording, merged
+from ddpscope.record import Recording
+from ddpscope.schema import SamplerPass, Step
+
+pytestmark = pytest.mark.torchrun
+
+SAMPLES, BATCH = 256, 32
+STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
+
+
+def detectors() -> list[Detector]:
+    return [SetEpochDetector(), ShardingDetector(), UnevenInputsDetector()]
+
+
+def run_demo(tmp: Path, endpoint: str, *flags: str, epochs: int = 2) -> tuple[Analysis, Recording]:
+    rec = tmp / "rec"
+    args = ["--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(epochs)]
+    torchrun(
+        [str(DEMO), *args, *flags],
+        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
+    )
+    analysis, recording = analyze_recording(str(rec), detectors=detectors())
+    assert recording.problems == []
+    assert not analysis.detector_errors
+    return analysis, recording
+
+
+def loud(analysis: Analysis) -> list[Finding]:
+    run = analysis.latest
+    assert run is not None
+    return [f for f in analysis.book(run).sorted() if severity_at_least(f.severity, "warning")]
+
+
+def one(analysis: Analysis, kind: str) -> Finding:
+    found = [f for f in loud(analysis) if f.kind == kind]
+    assert len(found) == 1, [(f.kind, f.message) for f in loud(analysis)]
+    return found[0]
+
+
+def seen_at(recording: Recording, kind: str) -> tuple[int, str]:
+    """Replay message by message: steps completed (on the furthest rank) when ``kind``
+    first appeared, and the kind of message that raised it."""
+    analysis = Analysis(detectors(), history=None)
+    done = 0
+    for msg in merged(recording):
+        run = analysis.feed(msg, msg.t)
+        if isinstance(msg, Step):
+            done = max(done, msg.step + 1)
+        if any(f.kind == kind for f in analysis.book(run)):
+            return done, type(msg).__name__
+    raise AssertionError(f"{kind} never raised")
+
+
+def test_forgotten_set_epoch(tmp_path: Path, endpoint: str) -> None:
+    analysis, recording = run_demo(tmp_path, endpoint, "--no-set-epoch")
+    f = one(analysis, "missing_set_epoch")
+    assert [g.kind for g in loud(analysis)] == ["missing_set_epoch"]
+    assert f.ranks == [0, 1] and f.epoch == 0
+    assert f.step == STEPS_PER_EPOCH  # the first batch of the second epoch
+    assert f.evidence["same_order_ranks"] == [0, 1]
+    # Seen once the first step of the repeated pass is reported: one step of latency.
+    assert seen_at(recording, "missing_set_epoch") == (STEPS_PER_EPOCH + 1, "Step")
+
+
+def test_unsharded_random_sampler(tmp_path: Path, endpoint: str) -> None:
+    analysis, recording = run_demo(tmp_path, endpoint, "--unsharded")
+    f = one(analysis, "unsharded_data")
+    assert [g.kind for g in loud(analysis)] == ["unsharded_data"]
+    assert f.ranks == [0, 1] and f.evidence["overlap"]["overlap_max"] == 1.0
+    assert seen_at(recording, "unsharded_data") == (1, "Step")
+
+
+def test_sampler_seed_per_rank(tmp_path: Path, endpoint: str) -> None:
+    analysis, recording = run_demo(tmp_path, endpoint, "--seed-per-rank")
+    f = one(analysis, "shard_overlap")
+    assert [g.kind for g in loud(analysis)] == ["shard_overlap"]
+    assert f.ranks == [0, 1] and f.step == 0
+    assert f.evidence["causes"] == ["seed", "measured"]
+    assert f.evidence["overlap"]["overlap_max"] > 0.2
+    # Raised from the settings at iter(), before any data is drawn.
+    assert seen_at(recording, "shard_overlap") == (0, SamplerPass.__name__)
+
+
+def test_uneven_inputs_under_join(tmp_path: Path, endpoint: str) -> None:
+    # Disjoint manual shards, rank 0's half the size: 2 steps per epoch against rank
+    # 1's 4. The demo wraps the loop in Join, so it is a warning and says so.
+    analysis, recording = run_demo(tmp_path, endpoint, "--uneven")
+    f = one(analysis, "uneven_inputs")
+    assert f.ranks == [0] and f.severity == "warning"
+    assert f.evidence["samples_per_epoch"] == {"0": 64, "1": 128}
+    assert f.evidence["steps_in_pass"] == {"0": 2, "1": 4}
+    assert f.evidence["join_shadow"]["0"] > 0 and "Join is in use" in f.message
+    assert {g.kind for g in loud(analysis)} == {"uneven_inputs"}
+    # Predicted from len(sampler) once both ranks reported their first step.
+    assert seen_at(recording, "uneven_inputs") == (1, "Step")
+
+
+def test_peeks_and_evaluation_loaders_are_healthy(tmp_path: Path, endpoint: str) -> None:
+    analysis, _ = run_demo(tmp_path, endpoint, "--peek", "--eval")
+    assert loud(analysis) == []
+
+
+def test_disjoint_manual_shards_are_healthy(tmp_path: Path, endpoint: str) -> None:
+    analysis, _ = run_demo(tmp_path, endpoint, "--manual-shards")
+    assert loud(analysis) == []
