@@ -48,9 +48,7 @@ def block(model: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -
 def measure(layers: int, one_bucket: bool, blocks: int, steps: int) -> dict[str, float]:
     plain, watched = make(layers, one_bucket), make(layers, one_bucket)
     handle = ddpscope.attach(watched)
-    opts = {
-        id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)
-    }
+    opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
     x = torch.randn(4, 16)
     for m in (plain, watched):  # warm up, and let DDP rebuild its buckets
         block(m, opts[id(m)], x, 20)

@@ -1,0 +1,584 @@
+"""``ddpscope report``: what a recording says, as text for people and JSON for programs.
+
+The report replays a recording through the same Analysis a live watcher runs
+(``sources.replay``), then summarises each rank and lists the findings. It
+reads whatever is on disk: a finished run, a run still being written (a live
+or hung job), or one whose ranks were killed mid-write (torn tails are listed
+as problems, not failures).
+
+Everything here is a pure function of the analysis and the recording except
+:func:`analyze`, which reads the files. The JSON object (:func:`build`) is the
+source of truth; the text (:func:`render_text`) is drawn from it, so the two
+never disagree. docs/report.md documents the JSON field by field; bump
+``VERSION`` on any change a consumer could trip over.
+
+No torch, no textual: a report runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import socket
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from ddpscope.analysis.detectors.liveness import (
+    HangDetector,
+    RankExitDetector,
+    error_line,
+    ranks_text,
+)
+from ddpscope.analysis.detectors.telemetry import TelemetryDetector
+from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.findings import SEVERITIES, severity_at_least
+from ddpscope.analysis.sources import merged, replay
+from ddpscope.analysis.state import RankView, RunState
+from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
+from ddpscope.schema import End, Heartbeat
+
+FORMAT = "ddpscope.report"
+VERSION = 1
+
+NS = 1_000_000_000
+MS = 1_000_000
+#: Split of a step, in table order: JSON key -> Step field.
+SPLIT = {
+    "data": "data_ns",
+    "forward": "forward_ns",
+    "backward": "backward_ns",
+    "comm_wait": "comm_wait_ns",
+    "optimizer": "optimizer_ns",
+    "other": "other_ns",
+}
+#: Bucket timings examined for the all-reduce wait: a sample keeps big runs fast.
+WAIT_BUDGET = 2_000_000
+#: A file from another host unchanged this long belongs to a writer that is gone.
+STALE_S = 15.0
+#: Lines of a multi-line evidence value (a traceback) shown in text.
+TEXT_BLOCK_LINES = 12
+
+
+# --- reading -----------------------------------------------------------------
+
+
+def configure(detectors: Iterable[Detector], hang_after_s: float | None = None) -> list[Detector]:
+    """Set the detectors up for a recording: no live-only accounting, the user's hang limit."""
+    out = list(detectors)
+    for det in out:
+        if isinstance(det, TelemetryDetector):
+            det.live = False  # sequence gaps in files are unrecorded re-sends, not losses
+        if isinstance(det, HangDetector) and hang_after_s is not None:
+            det.hang_after_s = hang_after_s
+    return out
+
+
+def analyze(
+    directory: str,
+    run_id: str | None = None,
+    hang_after_s: float | None = None,
+    detectors: Iterable[Detector] | None = None,
+) -> tuple[Analysis, Recording, list[RunDir]]:
+    """Read a run (the newest unless ``run_id``) and run the detectors over it.
+
+    Raises RecordError (or OSError) for input that cannot be read at all.
+    """
+    runs = find_runs(directory)
+    recording = open_run(directory, run_id)
+    if detectors is None:
+        from ddpscope.analysis.detectors import default_detectors
+
+        detectors = default_detectors()
+    analysis = Analysis(configure(detectors, hang_after_s), history=None)
+    replay(merged(recording), analysis)
+    if not still_writing(recording):
+        finish(analysis)
+    return analysis, recording, runs
+
+
+def finish(analysis: Analysis) -> None:
+    """Tell the detectors no more messages will come, and let them look once more."""
+    for det in analysis.detectors:
+        if isinstance(det, RankExitDetector):
+            det.stream_over = True
+    for run in analysis.runs.values():
+        analysis.tick(run.now_ns)
+
+
+def still_writing(recording: Recording, now: float | None = None) -> bool:
+    """Whether a rank process may still append to the recording (a live or hung job).
+
+    A file whose rank sent its end message is closed. Otherwise the writer is
+    alive if its pid exists on this host; for files written on another host,
+    if the file changed within the last STALE_S seconds (live ranks write a
+    heartbeat every second).
+    """
+    here = socket.gethostname()
+    now = time.time() if now is None else now
+    ended = {r for r, msgs in recording.messages.items() if msgs and isinstance(msgs[-1], End)}
+    for f in recording.run.files:
+        if f.rank in ended:
+            continue
+        pid = f.header.get("pid")
+        if f.header.get("host") == here and isinstance(pid, int) and pid > 0:
+            if _pid_alive(pid):
+                return True
+            continue
+        try:
+            if now - os.stat(f.path).st_mtime < STALE_S:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists, owned by someone else (or unknowable: assume alive)
+    return True
+
+
+# --- the JSON object -----------------------------------------------------------
+
+
+def build(analysis: Analysis, recording: Recording, runs: Sequence[RunDir] = ()) -> dict[str, Any]:
+    """The report object documented in docs/report.md."""
+    run = _run_of(analysis, recording)
+    book = analysis.books.get(run.run_id) if run is not None else None
+    findings = book.sorted() if book is not None else []
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "run": run_summary(run, recording, runs),
+        "ranks": rank_summaries(run, recording) if run is not None else [],
+        "findings": [f.to_json() for f in findings],
+        "problems": problems(recording, analysis),
+        "other_runs": other_runs(runs, recording.run),
+    }
+
+
+def _run_of(analysis: Analysis, recording: Recording) -> RunState | None:
+    run = analysis.runs.get(recording.run.run_id)
+    if run is None and analysis.runs:
+        run = max(analysis.runs.values(), key=lambda r: r.received)
+    return run
+
+
+def run_summary(
+    run: RunState | None, recording: Recording, runs: Sequence[RunDir] = ()
+) -> dict[str, Any]:
+    rd = recording.run
+    infos = [v.info for v in (run.ranks.values() if run else []) if v.info is not None]
+    headers = [f.header for f in rd.files]
+    hosts = sorted({i.host for i in infos} | {str(h["host"]) for h in headers if "host" in h})
+    world = run.world_size if run is not None and run.world_size else _header_world(headers)
+    views = list(run.ranks.values()) if run is not None else []
+    ended = [v.rank for v in views if v.end is not None]
+    open_ranks = sorted(v.rank for v in views if v.end is None)
+    first = infos[0] if infos else None
+    started = min((i.started_wall_ns for i in infos), default=rd.started_wall_ns)
+    epochs = sorted({s.epoch for v in views for s in v.steps if s.epoch >= 0})
+    selected = "latest" if len(runs) > 1 and rd.path == runs[-1].path else "only"
+    if runs and rd.path != runs[-1].path:
+        selected = "requested"
+    return {
+        "id": rd.run_id,
+        "path": rd.path,
+        "selected": selected,
+        "still_writing": still_writing(recording),
+        "world_size": world,
+        "ranks_seen": len(views),
+        "hosts": hosts,
+        "backend": first.backend if first else "",
+        "device": first.device if first else "",
+        "versions": dict(first.versions) if first else {},
+        "started": _iso(started),
+        "started_wall_ns": started,
+        "duration_s": _duration_s(recording),
+        "steps": max((v.step_count for v in views), default=0),
+        "steps_all_ranks": len(run.complete_steps()) if run is not None else 0,
+        "epochs": len(epochs),
+        "messages": run.received if run is not None else 0,
+        "status": "ended" if views and not open_ranks else "open",
+        "open_ranks": open_ranks,
+        "ended_ranks": sorted(ended),
+    }
+
+
+def _header_world(headers: list[dict[str, Any]]) -> int:
+    sizes = [h["world_size"] for h in headers if isinstance(h.get("world_size"), int)]
+    return max(sizes, default=0)
+
+
+def _iso(wall_ns: int) -> str | None:
+    if wall_ns <= 0:
+        return None
+    when = datetime.datetime.fromtimestamp(wall_ns / NS, tz=datetime.timezone.utc)
+    return when.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def _duration_s(recording: Recording) -> float:
+    # Per rank, on that rank's own clock: monotonic clocks of two hosts do not compare.
+    spans = [
+        max(m.t for m in msgs) - min(m.t for m in msgs)
+        for msgs in recording.messages.values()
+        if msgs
+    ]
+    return round(max(spans, default=0) / NS, 3)
+
+
+def rank_summaries(run: RunState, recording: Recording) -> list[dict[str, Any]]:
+    waits = allreduce_waits(run)
+    ranks = sorted(set(run.ranks) | set(recording.messages))
+    return [rank_summary(run.rank(r), recording.messages.get(r, []), waits.get(r)) for r in ranks]
+
+
+def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None) -> dict[str, Any]:
+    steps = list(view.steps)
+    info = view.info
+    beats = [m for m in messages if isinstance(m, Heartbeat) and m.phase != "exited"]
+    hb = view.heartbeat
+    durations = [s.t_end - s.t_start for s in steps]
+    return {
+        "rank": view.rank,
+        "host": info.host if info else "",
+        "pid": info.pid if info else -1,
+        "local_rank": info.local_rank if info else -1,
+        "steps": len(steps),
+        "step_count": view.step_count,
+        "epoch": steps[-1].epoch if steps else -1,
+        "step_ms": _median_ms(durations),
+        "step_p90_ms": _quantile_ms(durations, 0.9),
+        "split_ms": {key: _median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
+        "allreduce_wait_ms": wait_ms,
+        "cpu_pct": round(statistics.median(b.cpu_pct for b in beats), 1) if beats else None,
+        "rss_bytes": max((b.rss_bytes for b in beats), default=None),
+        "last": _last(hb),
+        "end": _end(view.end),
+        "dropped_queue": hb.dropped_queue if hb else 0,
+        "dropped_send": hb.dropped_send if hb else 0,
+        "messages": view.seq_count,
+    }
+
+
+def _median_ms(values: Sequence[int]) -> float | None:
+    return round(statistics.median(values) / MS, 3) if values else None
+
+
+def _quantile_ms(values: Sequence[int], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / MS, 3)
+
+
+def _last(hb: Heartbeat | None) -> dict[str, Any] | None:
+    if hb is None:
+        return None
+    return {
+        "phase": hb.phase,
+        "step": hb.step,
+        "bucket": hb.bucket,
+        "in_phase_s": round(hb.in_phase_s, 1),
+    }
+
+
+def _end(end: End | None) -> dict[str, Any] | None:
+    if end is None:
+        return None
+    return {"reason": end.reason, "step": end.step, "error": error_line(end.error)}
+
+
+def allreduce_waits(run: RunState) -> dict[int, float]:
+    """Median per step of sum over buckets of (own duration - fastest rank's duration), in ms.
+
+    The fastest rank's duration of a bucket is its transfer time; the rest of
+    a rank's duration is time spent waiting for the others to launch it
+    (design notes, section 4). No clock alignment is needed. Steps every rank
+    reported are used; a sample of them on big runs.
+    """
+    steps = [s for s in sorted(run.by_step) if len(run.by_step[s]) == len(run.ranks) > 1]
+    if not steps:
+        return {}
+    buckets = max(len(next(iter(run.by_step[s].values())).b_index) for s in steps[-8:])
+    cost = max(1, len(run.ranks) * max(1, buckets))
+    keep = max(8, WAIT_BUDGET // cost)
+    if len(steps) > keep:
+        stride = len(steps) / keep
+        steps = [steps[int(i * stride)] for i in range(keep)]
+    per_rank: dict[int, list[int]] = {}
+    for s in steps:
+        row = run.by_step[s]
+        fastest: dict[tuple[int, int], int] = {}
+        for st in row.values():
+            for k, d in zip(st.b_index, st.b_dur_ns, strict=False):
+                key = (st.layout, k)
+                if d < fastest.get(key, 1 << 62):
+                    fastest[key] = d
+        for r, st in row.items():
+            wait = sum(
+                d - fastest[(st.layout, k)] for k, d in zip(st.b_index, st.b_dur_ns, strict=False)
+            )
+            per_rank.setdefault(r, []).append(wait)
+    return {r: round(statistics.median(w) / MS, 3) for r, w in per_rank.items()}
+
+
+def other_runs(runs: Sequence[RunDir], chosen: RunDir) -> list[dict[str, Any]]:
+    return [
+        {
+            "id": r.run_id,
+            "path": r.path,
+            "started": _iso(r.started_wall_ns),
+            "ranks": r.ranks,
+            "files": len(r.files),
+        }
+        for r in runs
+        if r.path != chosen.path
+    ]
+
+
+_SKIPPED = re.compile(r"^(?P<file>.*): record (?P<index>\d+) skipped: (?P<why>.*)$", re.S)
+
+
+def problems(recording: Recording, analysis: Analysis | None = None) -> list[str]:
+    """The recording's problems, one line per kind and file (a bad file can skip thousands)."""
+    out: list[str] = []
+    skipped: dict[tuple[str, str], list[int]] = {}
+    for p in recording.problems:
+        m = _SKIPPED.match(p)
+        if m is None:
+            out.append(p)
+            continue
+        skipped.setdefault((m["file"], m["why"]), []).append(int(m["index"]))
+    for (path, why), indices in skipped.items():
+        what = f"record {indices[0]}" if len(indices) == 1 else f"{len(indices)} records"
+        first = "" if len(indices) == 1 else f" (first: record {indices[0]})"
+        out.append(f"{path}: {what} skipped: {why}{first}")
+    if analysis is not None:
+        for name, err in sorted(analysis.detector_errors.items()):
+            out.append(f"analysis: detector {name} failed (its findings are missing): {err}")
+    return out
+
+
+# --- verdicts ------------------------------------------------------------------
+
+
+def worst(report: dict[str, Any]) -> str | None:
+    """Highest severity among the findings, or None."""
+    levels = [f["severity"] for f in report["findings"]]
+    return max(levels, key=SEVERITIES.index) if levels else None
+
+
+def fails(report: dict[str, Any], floor: str) -> bool:
+    """Whether any finding is at ``floor`` or above (resolved ones count: they happened)."""
+    return any(severity_at_least(f["severity"], floor) for f in report["findings"])
+
+
+# --- text ----------------------------------------------------------------------
+
+
+def render_text(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    lines += _header_lines(report["run"])
+    lines += _other_runs_lines(report["run"], report["other_runs"])
+    lines.append("")
+    lines += table_lines(report["ranks"])
+    lines.append("")
+    lines += findings_lines(report["findings"])
+    if report["problems"]:
+        lines.append("")
+        lines.append(f"problems with the recording ({len(report['problems'])}):")
+        lines += [f"  - {p}" for p in report["problems"]]
+    return "\n".join(lines) + "\n"
+
+
+def _header_lines(run: dict[str, Any]) -> list[str]:
+    hosts = run["hosts"]
+    host_text = ", ".join(hosts[:4]) + (f" +{len(hosts) - 4} more" if len(hosts) > 4 else "")
+    seen = run["ranks_seen"]
+    world = run["world_size"]
+    ranks = f"{seen} ranks" if seen == world or not world else f"{seen} of {world} ranks seen"
+    parts = [
+        f"world size {world}" if world else "world size unknown",
+        ranks if seen != world else "",
+        f"on {host_text}" if hosts else "",
+        "/".join(x for x in (run["backend"], run["device"]) if x),
+        _count(run["steps"], "step")
+        + (f", {_count(run['epochs'], 'epoch')}" if run["epochs"] else ""),
+        f"{run['duration_s']:.1f} s",
+        f"started {run['started'].replace('T', ' ')}" if run["started"] else "",
+    ]
+    open_ranks = run["open_ranks"]
+    who = "any rank" if not run["ended_ranks"] else _ranks(open_ranks)
+    if run["status"] == "ended":
+        status = "every rank ended"
+    elif run["still_writing"]:
+        status = f"still being written: no end message from {who} yet (running or hung)"
+    else:
+        status = f"no end message from {who}, and nothing writes to it any more: killed"
+    return [
+        f"ddpscope report: run {run['id']}",
+        f"  {run['path']}",
+        "  " + " · ".join(p for p in parts if p),
+        f"  status: {status}",
+    ]
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
+
+
+def _other_runs_lines(run: dict[str, Any], others: list[dict[str, Any]]) -> list[str]:
+    if not others:
+        return []
+    total = len(others) + 1
+    which = "the latest" if run["selected"] == "latest" else "the one asked for"
+    lines = [
+        "",
+        f"note: this directory holds {total} runs; this report is about {which}. "
+        "The others (oldest first; --run ID picks one):",
+    ]
+    for o in others:
+        started = (o["started"] or "?").replace("T", " ")
+        lines.append(f"  {o['id']}  started {started}  ranks {ranks_text(o['ranks']) or '-'}")
+    return lines
+
+
+_COLUMNS = (
+    "rank", "host", "steps", "step", "data", "fwd", "bwd", "comm", "opt", "other", "ar-wait",
+    "cpu%", "rss", "end",
+)  # fmt: skip
+_LEFT = ("host", "end")
+
+
+def table_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """The per-rank table: medians per step in ms, host context, how each rank ended."""
+    if not ranks:
+        return ["no rank sent anything readable"]
+    rows = [_row(r) for r in ranks]
+    widths = [max(len(name), *(len(row[i]) for row in rows)) for i, name in enumerate(_COLUMNS)]
+    out = [
+        "per rank (medians per step, ms; comm = blocked on all-reduce, ar-wait = waiting for"
+        " other ranks):"
+    ]
+    for row in [list(_COLUMNS), *rows]:
+        cells = [
+            cell.ljust(widths[i]) if _COLUMNS[i] in _LEFT else cell.rjust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+def _row(r: dict[str, Any]) -> list[str]:
+    split = r["split_ms"]
+    end = r["end"]
+    if end is None:
+        last = r["last"]
+        end_text = f"none (last: {last['phase']}, step {last['step']})" if last else "none"
+    else:
+        end_text = end["reason"] + (f": {end['error'][:60]}" if end["error"] else "")
+    rss = r["rss_bytes"]
+    return [
+        str(r["rank"]),
+        r["host"] or "?",
+        str(r["steps"]),
+        _ms(r["step_ms"]),
+        *(_ms(split[k]) for k in SPLIT),
+        _ms(r["allreduce_wait_ms"]),
+        "-" if r["cpu_pct"] is None else f"{r['cpu_pct']:.0f}",
+        "-" if rss is None else f"{rss / (1 << 20):.0f} MB",
+        end_text,
+    ]
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.0f}" if value >= 1000 else f"{value:.2f}"
+
+
+def findings_lines(findings: list[dict[str, Any]]) -> list[str]:
+    if not findings:
+        return ["findings: none"]
+    counts = {s: sum(1 for f in findings if f["severity"] == s) for s in reversed(SEVERITIES)}
+    summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+    out = [f"findings ({summary}), most severe first:"]
+    for f in findings:
+        out.append("")
+        out += finding_lines(f)
+    return out
+
+
+def finding_lines(f: dict[str, Any]) -> list[str]:
+    where = []
+    if f["ranks"]:
+        where.append(_ranks(f["ranks"]))
+    if f["step"] >= 0:
+        where.append(f"step {f['step']}")
+    if f["epoch"] >= 0:
+        where.append(f"epoch {f['epoch']}")
+    state = "" if f["active"] else "  (no longer active)"
+    out = [f"{f['severity'].upper():7} {f['kind']}  {', '.join(where)}{state}"]
+    out.append(f"  {f['message']}")
+    ev = evidence_lines(f["evidence"])
+    if ev:
+        out.append("  evidence:")
+        out += ["    " + ln for ln in ev]
+    out.append(f"  fix: {f['fix']}")
+    return out
+
+
+def evidence_lines(evidence: dict[str, Any], prefix: str = "") -> list[str]:
+    """Evidence as readable lines: nested maps flattened, stacks and tracebacks as blocks."""
+    out: list[str] = []
+    for key, value in evidence.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and len(prefix.split(".")) < 3:
+            if all(not isinstance(v, (dict, list)) for v in value.values()) and len(value) <= 8:
+                out.append(f"{name}: " + ", ".join(f"{k}={_scalar(v)}" for k, v in value.items()))
+            else:
+                out += evidence_lines(value, f"{name}.")
+        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            out.append(f"{name}:")
+            out += [f"  {v}" for v in value[-TEXT_BLOCK_LINES:]]
+        elif isinstance(value, list) and value and all(_flat_map(v) for v in value):
+            out.append(f"{name}:")
+            out += [
+                "  " + ", ".join(f"{k}={_scalar(x)}" for k, x in v.items())
+                for v in value[:TEXT_BLOCK_LINES]
+            ]
+        elif isinstance(value, str) and "\n" in value:
+            lines = value.rstrip().splitlines()
+            out.append(f"{name}: (last {min(len(lines), TEXT_BLOCK_LINES)} lines)")
+            out += [f"  {ln}" for ln in lines[-TEXT_BLOCK_LINES:]]
+        else:
+            out.append(f"{name}: {_scalar(value)}")
+    return out
+
+
+def _flat_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(not isinstance(v, (dict, list)) for v in value.values())
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, dict)):
+        text = json.dumps(value, separators=(",", ":"), default=str)
+        return text if len(text) <= 160 else text[:157] + "..."
+    if value is None:
+        return "-"
+    return str(value)

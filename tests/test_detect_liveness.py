@@ -1,0 +1,585 @@
+"""Hang, rank_exit and telemetry detectors on synthetic streams (no torch, no processes).
+
+Each stream is a few seconds of lockstep DDP (tests/synth.py) followed by what
+the scenario needs: heartbeats of ranks stuck in a phase, End messages, gaps.
+Ticks come with the heartbeats (once per simulated second), as in a replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from synth import MS, RUN, Phases, constant, feed, findings, heartbeat, lockstep, run_infos
+
+from ddpscope.analysis.detectors.liveness import (
+    HANG_COLD_S,
+    HangDetector,
+    RankExitDetector,
+    error_line,
+    ranks_text,
+)
+from ddpscope.analysis.detectors.telemetry import TelemetryDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.schema import End, Message, Stacks, Step
+
+S = 1_000_000_000
+TICK = 250 * MS
+
+TRACEBACK = """Traceback (most recent call last):
+  File "/job/train.py", line 90, in <module>
+    main()
+  File "/job/train.py", line 40, in main
+    loss = step(batch)
+ValueError: batch 17 has NaN labels
+"""
+
+
+def detectors(**hang: Any) -> list[Any]:
+    return [HangDetector(**hang), RankExitDetector(), TelemetryDetector()]
+
+
+def run_steps(world: int = 2, steps: int = 40, **kw: Any) -> list[Message]:
+    """Run info plus ``steps`` lockstep steps; steps take about 8 ms."""
+    return [*run_infos(world), *lockstep(world, steps, constant(), **kw)]
+
+
+def end_of(msgs: list[Message]) -> int:
+    return max(m.t for m in msgs)
+
+
+def step_msg(rank: int, step: int, t: int, dur: int = 8 * MS) -> Step:
+    return Step(
+        run=RUN,
+        rank=rank,
+        t=t,
+        step=step,
+        t_start=t - dur,
+        t_end=t,
+        data_ns=MS,
+        forward_ns=2 * MS,
+        backward_ns=4 * MS,
+        optimizer_ns=MS,
+        other_ns=0,
+        comm_wait_ns=0,
+        micro_batches=1,
+        optimizer_steps=1,
+    )
+
+
+def stuck(
+    phases: dict[int, tuple[str, int]],
+    start: int,
+    seconds: float,
+    bucket: int = 3,
+    every: int = S,
+) -> list[Message]:
+    """Heartbeats of ranks stuck from ``start`` on: rank -> (phase, step count)."""
+    out: list[Message] = []
+    t = start + every
+    while t <= start + int(seconds * S):
+        for r, (phase, step) in phases.items():
+            out.append(
+                heartbeat(
+                    r,
+                    step,
+                    t,
+                    phase=phase,
+                    in_phase_s=(t - start) / S,
+                    bucket=bucket if phase == "allreduce" else -1,
+                )
+            )
+        t += every
+    return out
+
+
+def busy(ranks: list[int], step: int, start: int, seconds: float, phases=("eval", "idle")):
+    """Heartbeats of ranks doing work of their own: the phase changes between beats."""
+    out: list[Message] = []
+    for i in range(1, int(seconds) + 1):
+        t = start + i * S
+        for r in ranks:
+            out.append(heartbeat(r, step, t, phase=phases[i % len(phases)], in_phase_s=0.05))
+    return out
+
+
+def stacks(rank: int, t: int, step: int, phase: str = "idle") -> Stacks:
+    frames = [
+        ["/job/train.py", 211, "<module>"],
+        ["/job/train.py", 162, "_train"],
+        ["/job/train.py", 207, "_inject"],
+    ]
+    helper = [["/usr/lib/python3.11/threading.py", 320, "wait"]]
+    return Stacks(
+        run=RUN,
+        rank=rank,
+        t=t,
+        reason="stuck",
+        phase=phase,
+        step=step,
+        threads=[
+            {"name": "MainThread", "ident": 1, "main": True, "frames": frames},
+            {"name": "pin_memory", "ident": 2, "main": False, "frames": helper},
+        ],
+    )
+
+
+def end(rank: int, step: int, t: int, reason: str = "exit", error: str = "") -> End:
+    return End(run=RUN, rank=rank, t=t, reason=reason, step=step, error=error)
+
+
+def analyze(msgs: list[Message], **hang: Any) -> Analysis:
+    msgs = sorted(msgs, key=lambda m: m.t)
+    analysis = feed(Analysis(detectors(**hang), history=2048), msgs, tick_every_ns=TICK)
+    analysis.tick(end_of(msgs))  # as a replay does at the end of the recording
+    return analysis
+
+
+def kinds(analysis: Analysis) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {}
+    for f in findings(analysis):
+        out.setdefault(f.kind, []).append(f)
+    return out
+
+
+def hung_run(seconds: float, with_stack: bool = True) -> list[Message]:
+    """Rank 1 stops before its optimizer step 40; rank 0 finishes it and waits in step 41."""
+    msgs = run_steps(steps=40)
+    t = end_of(msgs)
+    msgs.append(step_msg(0, 40, t + 2 * MS))
+    msgs += stuck({0: ("allreduce", 41), 1: ("idle", 40)}, t, seconds)
+    if with_stack:
+        msgs.append(stacks(1, t + 3 * S + 5, step=40))
+    return msgs
+
+
+# --- hang ----------------------------------------------------------------------
+
+
+def test_hang_names_the_rank_behind_with_its_stack() -> None:
+    analysis = analyze(hung_run(12))
+    (f,) = kinds(analysis)["hang"]
+    assert f.severity == "error" and f.active
+    assert f.ranks == [1]
+    assert f.step == 40
+    ev = f.evidence
+    assert ev["behind"] == [1]
+    assert ev["where"]["1"]["phase"] == "idle" and ev["where"]["1"]["step"] == 40
+    assert ev["where"]["0"] == {
+        "phase": "allreduce",
+        "step": 41,
+        "bucket": 3,
+        "in_phase_s": pytest.approx(12, abs=1),
+        "heard_s_ago": 0.0,
+    }
+    assert ev["stack"]["at"] == "/job/train.py:207 in _inject"
+    assert ev["stack"]["current"] is True
+    assert "_inject" in ev["stack"]["frames"][-1]
+    assert "rank 1 is behind" in f.message and "_inject" in f.message
+    assert "rank 0 is waiting in all-reduce (bucket 3) at step 41" in f.message
+    assert ev["threshold_s"] == 5.0  # 10 x ~9 ms median is below the 5 s floor
+    assert "rank_exit" not in kinds(analysis)
+
+
+def test_hang_is_raised_once_the_limit_passes_not_before() -> None:
+    msgs = hung_run(20)
+    t0 = end_of(run_steps(steps=40))
+    early = analyze([m for m in msgs if m.t <= t0 + 4 * S])
+    assert "hang" not in kinds(early)
+    late = analyze([m for m in msgs if m.t <= t0 + 6 * S])
+    assert kinds(late)["hang"][0].ranks == [1]
+
+
+def test_hang_without_stack_says_how_to_get_one() -> None:
+    (f,) = kinds(analyze(hung_run(10, with_stack=False)))["hang"]
+    assert f.evidence["stack"] is None
+    assert "py-spy dump --pid 1001 on synth-host" in f.fix
+    assert "DDPSCOPE_STACKS_AFTER_S" in f.fix
+
+
+def test_hang_after_overrides_the_derived_limit() -> None:
+    assert "hang" not in kinds(analyze(hung_run(10), hang_after_s=30))
+    (f,) = kinds(analyze(hung_run(4), hang_after_s=2))["hang"]
+    assert f.evidence["threshold_s"] == 2 and "hang-after" in f.evidence["threshold_rule"]
+    with pytest.raises(ValueError):
+        HangDetector(hang_after_s=0)
+
+
+def test_hang_then_resume_is_kept_as_a_warning() -> None:
+    msgs = hung_run(8)
+    t = end_of(msgs)
+    msgs += [step_msg(1, 40, t + MS), step_msg(0, 41, t + 2 * MS), step_msg(1, 41, t + 2 * MS)]
+    msgs += lockstep(2, 5, constant(), first_step=42, start_ns=t + 3 * MS)
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert not f.active and f.severity == "warning"
+    assert "progress resumed after" in f.message
+    assert f.ranks == [1]
+
+
+def test_all_ranks_in_all_reduce_at_different_buckets() -> None:
+    msgs = run_steps(world=4, steps=30)
+    t = end_of(msgs)
+    for r in range(4):
+        msgs += stuck({r: ("allreduce", 30)}, t, 10, bucket=2 if r == 3 else 5)
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [3]
+    assert {g["bucket"] for g in f.evidence["groups"]} == {2, 5}
+
+
+def test_rank_without_telemetry_is_named_when_everyone_else_waits() -> None:
+    msgs = [m for m in run_steps(world=3, steps=30) if m.rank != 2]
+    t = end_of(msgs)
+    msgs += stuck({0: ("allreduce", 30), 1: ("allreduce", 30)}, t, 10)
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [2] and f.evidence["no_telemetry"] == [2]
+    assert "sends no telemetry" in f.message
+
+
+def test_cold_start_limit_before_the_first_step() -> None:
+    msgs: list[Message] = list(run_infos(2))
+    msgs += stuck({0: ("allreduce", 0), 1: ("forward", 0)}, 0, 40)
+    assert "hang" not in kinds(analyze(msgs))  # first steps compile; ranks differ by seconds
+    msgs = list(run_infos(2)) + stuck({0: ("allreduce", 0), 1: ("forward", 0)}, 0, 65)
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.evidence["threshold_s"] == HANG_COLD_S and f.ranks == [1]
+
+
+def test_no_hang_on_a_healthy_run() -> None:
+    assert kinds(analyze(run_steps(world=4, steps=300))) == {}
+
+
+def test_no_hang_after_the_run_ended() -> None:
+    msgs = run_steps(steps=40)
+    t = end_of(msgs)
+    msgs += [end(r, 40, t + (r + 1) * MS) for r in range(2)]
+    analysis = analyze(msgs)
+    for dt in (10, 60, 600):
+        analysis.tick(t + dt * S)
+    assert kinds(analysis) == {}
+
+
+def test_no_hang_on_slow_steps_that_progress() -> None:
+    slow = Phases(data=500 * MS, forward=2 * S, backward=4 * S, optimizer=500 * MS, other=0)
+    msgs = [*run_infos(2), *lockstep(2, 20, constant(slow), heartbeat_every=0)]
+    # Heartbeats every second, as ranks send them; phases change within each 7 s step.
+    msgs += busy([0, 1], 0, 0, end_of(msgs) / S, phases=("data", "forward", "backward"))
+    assert kinds(analyze(msgs)) == {}
+
+
+def test_no_hang_on_a_second_long_step_of_the_same_kind() -> None:
+    """A checkpoint on rank 0 inside the loop every N steps: the first one's length
+    raises the limit, so the next one is not called a hang again."""
+    msgs = run_steps(steps=30)
+    for first_step in (30, 41):
+        t = end_of(msgs)
+        msgs += stuck({0: ("data", first_step), 1: ("allreduce", first_step)}, t, 20)
+        t_end = t + 20 * S + MS
+        msgs += [step_msg(r, first_step, t_end, dur=20 * S) for r in (0, 1)]
+        msgs += lockstep(2, 10, constant(), first_step=first_step + 1, start_ns=t_end + MS)
+    hang = HangDetector()
+    analysis = feed(Analysis([hang], history=2048), msgs, TICK)
+    analysis.tick(end_of(msgs))
+    assert hang.threshold(analysis.latest)[0] == pytest.approx(40.0)
+    (f,) = kinds(analysis)["hang"]
+    assert f.evidence["episodes"] == 1 and f.step == 30  # the first checkpoint only
+    assert f.severity == "warning" and not f.active
+
+
+def test_no_hang_during_a_long_evaluation() -> None:
+    msgs = run_steps(steps=40)
+    t = end_of(msgs)
+    msgs += busy([0, 1], 40, t, 60)
+    assert kinds(analyze(msgs)) == {}
+
+
+def test_no_hang_while_one_rank_evaluates_and_the_other_waits() -> None:
+    msgs = run_steps(steps=40)
+    t = end_of(msgs)
+    msgs += busy([1], 40, t, 60)
+    msgs += stuck({0: ("allreduce", 40)}, t, 60)
+    assert kinds(analyze(msgs)) == {}
+
+
+def test_no_hang_when_every_rank_is_in_its_own_code() -> None:
+    """A slow first batch, a checkpoint on every rank: nobody waits for anybody."""
+    msgs = run_steps(steps=40)
+    t = end_of(msgs)
+    msgs += stuck({0: ("data", 40), 1: ("data", 40)}, t, 120)
+    assert kinds(analyze(msgs)) == {}
+
+
+# --- rank_exit -----------------------------------------------------------------
+
+
+def test_rank_killed_mid_run_post_mortem() -> None:
+    """What a SIGKILLed rank leaves: no End; the other finishes a step, then fails."""
+    msgs = run_steps(steps=3)
+    t = end_of(msgs)
+    msgs.append(step_msg(0, 3, t + 5 * MS))
+    gloo = TRACEBACK.replace(
+        "ValueError: batch 17 has NaN labels", "RuntimeError: Connection reset"
+    )
+    msgs.append(end(0, 4, t + 60 * MS, "exception", gloo + "\nAt:\n  /x/comm.py(44): _done\n"))
+    analysis = analyze(msgs)
+    (f,) = kinds(analysis)["rank_exit"]
+    assert f.severity == "error" and f.ranks == [1] and f.step == 3
+    assert "without an end message" in f.message and "rank 0 then failed too" in f.message
+    assert f.evidence["stopped"]["1"]["how"] == "vanished"
+    assert f.evidence["others"]["0"]["error"] == "RuntimeError: Connection reset"
+    assert "dmesg" in f.fix
+    assert "hang" not in kinds(analysis)
+
+
+def killed_no_end() -> list[Message]:
+    """Rank 1 SIGKILLed with steps still in its queue; torchrun SIGTERMs rank 0: no End."""
+    msgs = run_steps(steps=2)
+    t = end_of(msgs)
+    msgs += [step_msg(0, 2, t + 10 * MS), step_msg(0, 3, t + 30 * MS)]
+    return msgs
+
+
+def finish(analysis: Analysis) -> Analysis:
+    for det in analysis.detectors:
+        if isinstance(det, RankExitDetector):
+            det.stream_over = True
+    analysis.tick(analysis.latest.now_ns)
+    return analysis
+
+
+def test_killed_without_any_end_message_names_the_first_record_to_stop() -> None:
+    analysis = analyze(killed_no_end())
+    assert "rank_exit" not in kinds(analysis)  # the stream may still be coming in
+    (f,) = kinds(finish(analysis))["rank_exit"]
+    assert f.severity == "warning" and f.ranks == [1] and f.step == 2
+    assert "left no end message and its record stops first" in f.message
+    assert "most likely died first" in f.message
+    assert f.evidence["stopped"]["1"]["certain"] is False
+    assert f.evidence["others"]["0"]["state"].startswith("stopped without an end message")
+
+
+def test_killed_so_early_its_record_is_empty() -> None:
+    """The victim's publisher never wrote a message; the other rank trained with it."""
+    msgs = [m for m in killed_no_end() if m.rank == 0]  # rank 0's run info says world 2
+    analysis = analyze(msgs)
+    assert analysis.detector_errors == {}
+    (f,) = kinds(finish(analysis))["rank_exit"]
+    assert f.ranks == [1] and f.severity == "warning" and "record is empty" in f.message
+
+
+def test_heartbeat_counts_name_the_rank_that_fell_behind() -> None:
+    """Both last steps lost; rank 0's later heartbeat shows it got further."""
+    msgs = run_steps(steps=2)
+    t = end_of(msgs)
+    msgs += [heartbeat(1, 2, t + 2 * MS, phase="allreduce"), heartbeat(0, 3, t + 6 * MS)]
+    (f,) = kinds(finish(analyze(msgs)))["rank_exit"]
+    assert f.ranks == [1] and f.step == 2
+
+
+def test_whole_job_killed_in_step_with_each_other_is_not_blamed_on_anyone() -> None:
+    msgs = run_steps(steps=20)
+    assert kinds(finish(analyze(msgs))) == {}
+
+
+def test_ctrl_c_on_every_rank_is_not_a_rank_exit() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    ki = "Traceback (most recent call last):\n  File x\nKeyboardInterrupt\n"
+    msgs += [end(r, 10, t + MS * (r + 1), "exception", ki) for r in range(2)]
+    assert kinds(finish(analyze(msgs))) == {}
+
+
+def test_rank_silent_while_the_others_wait() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("allreduce", 20)}, t, 12)
+    analysis = analyze(msgs)
+    (f,) = kinds(analysis)["rank_exit"]
+    assert f.ranks == [1] and f.evidence["stopped"]["1"]["how"] == "vanished"
+    assert "hang" not in kinds(analysis)
+
+
+def test_short_silence_is_not_an_exit() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("allreduce", 20)}, t, 3)
+    assert "rank_exit" not in kinds(analyze(msgs))
+
+
+def test_silent_rank_that_comes_back_is_downgraded() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("allreduce", 20)}, t, 8)
+    msgs += lockstep(2, 5, constant(), first_step=20, start_ns=t + 8 * S + MS)
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert f.severity == "warning" and not f.active
+    assert "spoke again" in f.message
+
+
+def test_rank_raised_while_the_other_waits() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs.append(end(1, 10, t + MS, "exception", TRACEBACK))
+    msgs += stuck({0: ("allreduce", 10)}, t, 10)
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert f.ranks == [1]
+    assert "Rank 1 raised ValueError: batch 17 has NaN labels at step 10" in f.message
+    assert f.evidence["stopped"]["1"]["error"] == TRACEBACK
+    assert "traceback" in f.fix
+
+
+def test_rank_exited_early_while_the_other_waits() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs.append(end(0, 10, t + MS))
+    msgs += stuck({1: ("allreduce", 10)}, t, 10)
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert f.ranks == [0] and "exited normally at step 10" in f.message
+    assert "Join" in f.fix
+
+
+def test_every_rank_raising_is_reported() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs += [end(r, 10, t + MS * (r + 1), "exception", TRACEBACK) for r in range(2)]
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert f.ranks == [0, 1] and "Ranks 0, 1 raised ValueError" in f.message
+
+
+def test_a_later_different_error_is_a_consequence() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs.append(end(1, 10, t + MS, "exception", TRACEBACK))
+    msgs.append(end(0, 10, t + 9 * MS, "exception", "RuntimeError: Connection closed by peer"))
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert f.ranks == [1] and "rank 0 then failed too, a consequence" in f.message
+
+
+def test_no_exit_finding_when_rank_0_saves_after_the_others_ended() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs += [end(r, 10, t + MS) for r in (1, 2) if r < 2]
+    msgs += stuck({0: ("data", 10)}, t, 60)
+    msgs.append(end(0, 10, t + 61 * S))
+    assert kinds(analyze(msgs)) == {}
+
+
+def test_no_exit_finding_under_join() -> None:
+    """Rank 0 ran out of data and shadows all-reduces (Join) while rank 1 steps on."""
+    msgs = run_steps(steps=8)
+    t = end_of(msgs)
+    for i in range(4):
+        msgs.append(step_msg(1, 8 + i, t + (i + 1) * 10 * MS))
+        msgs.append(heartbeat(0, 8, t + (i + 1) * 10 * MS, phase="join", in_phase_s=i * 0.01))
+    msgs += [end(0, 8, t + 50 * MS), end(1, 12, t + 51 * MS)]
+    analysis = analyze(msgs)
+    analysis.tick(t + 30 * S)
+    assert kinds(analysis) == {}
+
+
+def test_disabled_rank_is_telemetry_not_an_exit() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs.append(end(1, 5, t - 40 * MS, "disabled", "RuntimeError: encode failed"))
+    msgs += lockstep(2, 3, constant(), first_step=10, start_ns=t + MS)
+    found = kinds(analyze(msgs))
+    assert "rank_exit" not in found
+    (f,) = found["telemetry"]
+    assert f.severity == "warning" and f.ranks == [1]
+    assert "turned itself off on rank 1" in f.message and "encode failed" in f.message
+
+
+# --- telemetry -----------------------------------------------------------------
+
+
+def feed_with_gaps(msgs: list[Message], drop_every: int, live: bool = True) -> Analysis:
+    """Feed with sequence numbers that skip one in ``drop_every`` (a lossy wire)."""
+    import dataclasses
+
+    analysis = Analysis([TelemetryDetector(live=live)], history=2048)
+    seq: dict[int, int] = {}
+    for i, m in enumerate(sorted(msgs, key=lambda m: m.t)):
+        n = seq.get(m.rank, 0) + (2 if drop_every and i % drop_every == drop_every - 1 else 1)
+        seq[m.rank] = n
+        analysis.feed(dataclasses.replace(m, seq=n), m.t)
+    analysis.tick(end_of(msgs))
+    return analysis
+
+
+def test_a_few_drops_on_a_live_watcher_are_info() -> None:
+    (f,) = kinds(feed_with_gaps(run_steps(steps=500), drop_every=400))["telemetry"]
+    assert f.severity == "info" and f.evidence["lost"] >= 1
+    assert "lost between the ranks and this watcher" in f.message
+
+
+def test_many_drops_are_a_warning() -> None:
+    (f,) = kinds(feed_with_gaps(run_steps(steps=200), drop_every=10))["telemetry"]
+    assert f.severity == "warning" and f.evidence["lost_share"] > 0.05
+    assert "SNDHWM" in f.fix
+
+
+def test_sequence_gaps_in_a_recording_are_not_drops() -> None:
+    assert kinds(feed_with_gaps(run_steps(steps=200), drop_every=10, live=False)) == {}
+
+
+def test_queue_drops_are_missing_from_the_recording_too() -> None:
+    msgs = run_steps(steps=100)
+    t = end_of(msgs)
+    msgs.append(heartbeat(0, 100, t + 1, dropped_queue=30))
+    msgs.append(heartbeat(1, 100, t + 1, dropped_send=500))
+    (f,) = kinds(feed_with_gaps(msgs, 0, live=False))["telemetry"]
+    assert f.severity == "warning" and f.ranks == [0]
+    assert "publisher queue was full" in f.message and "QUEUE_SIZE" in f.fix
+    assert "not delivered to a live watcher (the recording has them)" in f.message
+
+
+def test_send_drops_alone_in_a_recording_are_info() -> None:
+    msgs = run_steps(steps=50)
+    msgs.append(heartbeat(1, 50, end_of(msgs) + 1, dropped_send=7))
+    (f,) = kinds(feed_with_gaps(msgs, 0, live=False))["telemetry"]
+    assert f.severity == "info" and f.evidence["lost"] == 0
+
+
+def test_silent_ranks_after_the_grace_period() -> None:
+    msgs = [m for m in [*run_infos(4), *lockstep(4, 20, constant())] if m.rank < 2]
+    t = end_of(msgs)
+    analysis = analyze(msgs + busy([0, 1], 20, t, 5, phases=("data", "forward")))
+    assert "telemetry" not in kinds(analysis)  # 5 s: ranks may still be starting
+    analysis = analyze(msgs + busy([0, 1], 20, t, 20, phases=("data", "forward")))
+    (f,) = kinds(analysis)["telemetry"]
+    assert f.severity == "warning" and f.ranks == [2, 3]
+    assert "Ranks 2, 3 of the 4" in f.message
+
+
+def test_rejected_messages() -> None:
+    msgs = run_steps(steps=200)
+    msgs.append(heartbeat(7, 200, end_of(msgs) + 1))  # world size is 2
+    (f,) = kinds(analyze(msgs))["telemetry"]
+    assert f.severity == "info" and f.evidence["rejected"] == {"rank outside the world": 1}
+
+
+def test_closed_handle_while_the_run_goes_on() -> None:
+    msgs = run_steps(steps=10)
+    t = end_of(msgs)
+    msgs.append(end(1, 10, t + MS, "close"))
+    msgs += [step_msg(0, 10 + i, t + (i + 2) * 10 * MS) for i in range(5)]
+    found = kinds(analyze(msgs))
+    (f,) = found["telemetry"]
+    assert f.severity == "info" and "handle was closed" in f.message
+    assert "rank_exit" not in found
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+def test_ranks_text() -> None:
+    assert ranks_text([]) == ""
+    assert ranks_text([3, 0, 1, 2, 9, 11, 10]) == "0-3, 9-11"
+    assert ranks_text([5, 0, 1]) == "0, 1, 5"
+
+
+def test_error_line_finds_the_exception_not_the_trailing_frames() -> None:
+    assert error_line(TRACEBACK) == "ValueError: batch 17 has NaN labels"
+    torch_style = TRACEBACK + "\nAt:\n  /x/comm.py(44): _bucket_done\n"
+    assert error_line(torch_style) == "ValueError: batch 17 has NaN labels"
+    assert error_line("...cut\n  File x\nKeyError: 'lr'\n\nAt:\n  y(1): z") == "KeyError: 'lr'"
+    assert error_line("") == ""
