@@ -41,7 +41,7 @@ class Options:
     #: Seconds between re-sends of run info and bucket layout, for late watchers.
     resend_s: float = 5.0
     #: A rank stuck this many seconds in one phase sends its Python stacks once.
-    stacks_after_s: float = 30.0
+    stacks_after_s: float = 5.0
     #: Messages the bounded hot-path buffer holds before dropping (and counting).
     queue_size: int = 4096
     #: ZeroMQ send high-water mark, in messages.

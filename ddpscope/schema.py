@@ -239,7 +239,8 @@ class HParams(Message):
 class End(Message):
     KIND: ClassVar[str] = "end"
     #: "exit" (interpreter exit), "exception" (uncaught exception, traceback in
-    #: ``error``), "close" (handle closed), "disabled" (internal error).
+    #: ``error``), "signal" (SIGTERM, e.g. torchrun stopping the job), "close"
+    #: (handle closed), "disabled" (internal error).
     reason: str
     step: int
     error: str = ""

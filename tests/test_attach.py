@@ -158,3 +158,25 @@ def test_internal_error_disables_ddpscope_once_and_training_goes_on(
     assert len(warnings) == 1 and calls == 1
     ends = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, End)]
     assert ends[-1].reason == "disabled" and "clock exploded" in ends[-1].error
+
+
+SIGTERMED = """
+import os, signal, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+import ddpscope
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + "/pg", rank=0, world_size=1)
+model = DDP(torch.nn.Linear(4, 4))
+ddpscope.attach(model, record=sys.argv[1] + "/rec", endpoint="ipc://" + sys.argv[1] + "/s")
+model(torch.randn(2, 4)).sum().backward()
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_sigterm_is_recorded_and_still_terminates(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SIGTERMED, str(tmp_path)], timeout=120)
+    assert proc.returncode == -15  # the default action still happens
+    ends = [m for m in open_run(str(tmp_path / "rec")).messages[0] if isinstance(m, End)]
+    assert [(e.reason, e.error) for e in ends] == [("signal", "SIGTERM")]

@@ -254,10 +254,13 @@ def test_rank_killed_with_sigkill_leaves_a_readable_file(tmp_path: Path, endpoin
             "8",
             "--epochs",
             "1",
+            # killed well after the publisher's first flush (it wakes every 50 ms)
+            "--step-sleep-ms",
+            "20",
             "--kill-rank",
             "1",
             "--kill-step",
-            "3",
+            "8",
         ],
         env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
         check=False,
@@ -266,9 +269,13 @@ def test_rank_killed_with_sigkill_leaves_a_readable_file(tmp_path: Path, endpoin
     assert proc.returncode != 0
     recording = open_run(str(rec))
     kinds = Counter(type(m).__name__ for m in recording.messages[1])
-    assert kinds["RunInfo"] == 1 and kinds["Step"] >= 2
+    assert kinds["RunInfo"] == 1 and kinds["Step"] >= 5
     assert all("truncated" in p for p in recording.problems)
     assert not any(isinstance(m, End) for m in recording.messages[1])
+    # the survivor says how it ended: gloo's error reached it (an exception
+    # with the traceback), or torchrun's SIGTERM did first
+    (end,) = [m for m in recording.messages[0] if isinstance(m, End)]
+    assert end.reason in ("exception", "signal") and end.error
 
 
 def test_hung_rank_keeps_heartbeating_and_sends_its_stacks(tmp_path: Path, endpoint: str) -> None:

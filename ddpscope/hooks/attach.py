@@ -12,6 +12,8 @@ warning if ddpscope itself fails.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -80,6 +82,8 @@ class _Process:
         self.publisher = Publisher(opts, self.run_id, self.rank, header, host)
         self.handles: list[Handle] = []
         self._finished = False
+        self._finishing = False
+        self._sigterm_pending = False
         self.sampler_probe = SamplerProbe(
             post=lambda kind, fields: self.publisher.post(kind, 0, fields),
             current_step=lambda: self.publisher.state.step,
@@ -94,6 +98,7 @@ class _Process:
         self.publisher.on_request("fingerprint", self._request_fingerprint)
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
+        self._install_sigterm()
         self.publisher.start()
         # atexit runs handlers last-in first-out: this one before the publisher closes.
         import atexit
@@ -121,6 +126,26 @@ class _Process:
         for h in self.handles:
             h.guard(h.tracker.optimizer_post, opt)
 
+    def _install_sigterm(self) -> None:
+        # torchrun SIGTERMs the surviving ranks when one fails. Without a word
+        # from them, a report cannot tell the rank that died first from the
+        # ones that were stopped. Only the default action is replaced: a
+        # user's own handler (checkpoint on preemption) is left alone.
+        try:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+        except (ValueError, OSError):  # not the main thread, or no signals here
+            pass
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._finishing:
+            # Interrupting our own shutdown (after an exception, at exit) would
+            # lose its end message: let it finish, then terminate.
+            self._sigterm_pending = True
+            return
+        self._sigterm_pending = True
+        self.finish(reason="signal", error="SIGTERM")
+
     def _on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
         text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
         try:
@@ -132,18 +157,32 @@ class _Process:
         if self._finished:
             return
         self._finished = True
+        self._finishing = True
         if sys.excepthook == self._on_uncaught:
             sys.excepthook = self._excepthook
-        for h in self.handles:
-            h.finish()
         try:
-            self.sampler_probe.flush()
-            self.sampler_probe.uninstall()
-        except Exception:
-            pass
-        for hook in self._opt_hooks:
-            hook.remove()
-        self.publisher.close(reason, error)
+            for h in self.handles:
+                h.finish()
+            try:
+                self.sampler_probe.flush()
+                self.sampler_probe.uninstall()
+            except Exception:
+                pass
+            for hook in self._opt_hooks:
+                hook.remove()
+            self.publisher.close(reason, error)
+        finally:
+            self._finishing = False
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        try:
+            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except (ValueError, OSError):
+            return
+        if self._sigterm_pending:
+            os.kill(os.getpid(), signal.SIGTERM)  # the one deferred while finishing
 
 
 class Handle:
