@@ -30,13 +30,17 @@ _original_register = DistributedDataParallel.register_comm_hook
 class HookState:
     """What the registered wrapper calls into; one per DDP model."""
 
-    __slots__ = ("inner", "inner_state", "tracker", "user_registered")
+    __slots__ = ("direct", "inner", "inner_state", "tracker", "user_registered")
 
     def __init__(self, inner: Any, inner_state: Any) -> None:
         self.inner = inner
         self.inner_state = inner_state
         self.tracker: Any = None
         self.user_registered = False
+        # (process group, its size) while the inner hook is DDP's default
+        # all-reduce: the wrapper then issues it itself, skipping the Python
+        # layers of dist.all_reduce and a second chained Future.
+        self.direct: tuple[Any, int] | None = (inner_state, inner_state.size())
 
 
 def _bucket_done(ends, pos, stamp, fut):
@@ -44,15 +48,30 @@ def _bucket_done(ends, pos, stamp, fut):
     return fut.value()
 
 
+def _direct_done(ends, pos, stamp, fut):
+    ends[pos] = stamp()
+    return fut.value()[0]
+
+
 def timed_hook(state, bucket):
     tracker = state.tracker
     if tracker is None:
         return state.inner(state.inner_state, bucket)
     slot = tracker.bucket_start(bucket)
-    fut = state.inner(state.inner_state, bucket)
     if slot is None:
-        return fut
+        return state.inner(state.inner_state, bucket)
     ends, pos = slot
+    direct = state.direct
+    if direct is not None:
+        tensor = bucket.buffer()
+        if not tensor.is_complex():  # dist.all_reduce views complex as real; leave it that
+            group, size = direct
+            # The same arithmetic as default_hooks.allreduce_hook (and DDP's
+            # built-in path): divide, then sum.
+            tensor.div_(size)
+            fut = group.allreduce([tensor]).get_future()
+            return fut.then(functools.partial(_direct_done, ends, pos, tracker.clock.stamp))
+    fut = state.inner(state.inner_state, bucket)
     return fut.then(functools.partial(_bucket_done, ends, pos, tracker.clock.stamp))
 
 
@@ -72,6 +91,7 @@ def _reroute(model: Any, hs: HookState) -> None:
             )
         model._check_comm_hook(hook)
         hs.inner, hs.inner_state, hs.user_registered = hook, state, True
+        hs.direct = None
         model._comm_hooks.append((hook, state))
         if getattr(model, "logger", None) is not None:
             model.logger._set_comm_hook_name(getattr(hook, "__qualname__", str(hook)))
