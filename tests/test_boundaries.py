@@ -16,6 +16,10 @@ BOUNDARIES = {
     "ddpscope.transport.subscriber": ("torch", "textual"),
     "ddpscope.analysis.engine": ("torch", "textual"),
     "ddpscope.analysis.sources": ("torch", "textual"),
+    "ddpscope.analysis.live": ("torch", "textual"),
+    "ddpscope.analysis.report": ("torch", "textual"),
+    "ddpscope.cli.watch": ("torch", "textual"),
+    "ddpscope.ui.app": ("torch",),
     "ddpscope.cli.main": ("torch", "textual"),
     "ddpscope.hooks.attach": ("textual",),
 }

@@ -46,7 +46,7 @@ def test_no_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> N
 def test_help_exits_zero(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    assert "-- COMMAND" in out and "--headless" in out and "watcher UI does not exist" in out
+    assert "-- COMMAND" in out and "--headless" in out and "live watcher" in out
 
 
 @pytest.mark.parametrize("argv", [["run"], ["run", "--"], ["run", "--headless", "--"]])

@@ -65,14 +65,16 @@ class FindingBook:
     def raise_or_update(self, key: str, finding: Finding) -> Finding:
         full = (finding.kind, key)
         old = self._by_key.get(full)
-        self.version += 1
         if old is None:
+            self.version += 1
             self._serial += 1
             finding.serial = self._serial
             finding.last_step = max(finding.last_step, finding.step)
             self._by_key[full] = finding
             return finding
-        # Keep identity and first sighting; refresh the rest.
+        # Keep identity and first sighting; refresh the rest. The version only
+        # moves on a visible change, so a UI redraws only when it must.
+        before = (old.severity, old.ranks, old.message, old.evidence, old.active, old.fix)
         old.severity = max(old.severity, finding.severity, key=_RANK.__getitem__)
         old.ranks = finding.ranks
         old.message = finding.message
@@ -81,6 +83,8 @@ class FindingBook:
         old.last_step = max(old.last_step, finding.step, finding.last_step)
         old.active = finding.active
         old.updates += 1
+        if before != (old.severity, old.ranks, old.message, old.evidence, old.active, old.fix):
+            self.version += 1
         return old
 
     def resolve(self, kind: str, key: str) -> None:

@@ -39,6 +39,8 @@ class Command(Protocol):
 COMMANDS: tuple[str, ...] = (
     "ddpscope.cli.run:RunCommand",
     "ddpscope.cli.dump:DumpCommand",
+    "ddpscope.cli.report:ReportCommand",
+    "ddpscope.cli.watch:WatchCommand",
 )
 
 

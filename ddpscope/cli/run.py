@@ -216,8 +216,8 @@ class RunCommand:
         parser.add_argument(
             "--headless",
             action="store_true",
-            help="do not open the live watcher beside the job. The watcher UI does not exist "
-            "yet, so for now run always behaves as if --headless were given",
+            help="do not open the live watcher beside the job (it opens only when stdin, "
+            "stdout and stderr are a terminal; the job's output then goes to a log file)",
         )
         parser.add_argument(
             "command",
@@ -237,6 +237,10 @@ class RunCommand:
         except UsageError as exc:
             return self._usage_error(str(exc))
         print(describe(env), file=sys.stderr, flush=True)
+        if not args.headless and all(s.isatty() for s in (sys.stdin, sys.stdout, sys.stderr)):
+            from ddpscope.cli.watch import launch_with_watcher
+
+            return launch_with_watcher(command, env)
         return launch(command, env)
 
     def _usage_error(self, message: str) -> int:

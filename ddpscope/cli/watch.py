@@ -1,0 +1,162 @@
+"""``ddpscope watch``: the live terminal UI; also the UI half of ``ddpscope run``.
+
+Imports here stay light (argparse, config): textual and the analysis code
+are imported inside ``run`` so that ``ddpscope --help`` stays fast. Nothing
+here or below imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from ddpscope import config
+
+if TYPE_CHECKING:
+    from textual.app import App
+
+EPILOG = """\
+examples:
+  ddpscope watch                                  # listen on tcp://127.0.0.1:5557
+  ddpscope watch --endpoint tcp://127.0.0.1:6000  # where DDPSCOPE_ENDPOINT points the ranks
+  ddpscope run -- torchrun --nproc_per_node=4 train.py   # launch a job with this UI beside it
+
+Start it before, during or after the job: ranks re-send their run info every
+few seconds, so a late watcher picks them up. Keys: q quits, space pauses,
+? lists the rest. docs/watch.md describes every panel.
+"""
+
+#: Exit status when the endpoint cannot be bound (another watcher holds it).
+EXIT_CANNOT_LISTEN = 3
+
+#: Seconds a busy thread may hold the GIL before a waiting one gets it (CPython's
+#: default is 5 ms). The ingest thread is busy most of the time at hundreds of
+#: ranks; every step of handling a key press waits this long for the GIL, so the
+#: default made key presses take 100-400 ms at 256 ranks.
+GIL_SWITCH_S = 0.001
+
+
+def run_app(app: App[None]) -> None:
+    """Run the UI in this thread with the GIL handed over quickly to it."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_S)
+    try:
+        app.run()
+    finally:
+        sys.setswitchinterval(previous)
+
+
+class WatchCommand:
+    name = "watch"
+    help = "live view of every rank of a DDP job (terminal UI)"
+    description = (
+        "Listen where ranks publish (loopback by default) and show every rank at a glance: "
+        "step times and their phases, all-reduce waits per bucket, findings with what to do, "
+        "and any rank's stacks on demand. Needs no torch."
+    )
+    epilog = EPILOG
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(
+            "--endpoint",
+            metavar="ADDR",
+            help="ZeroMQ address to listen on (default: $DDPSCOPE_ENDPOINT, else "
+            f"{config.DEFAULT_ENDPOINT})",
+        )
+        parser.add_argument(
+            "--control-endpoint",
+            metavar="ADDR",
+            help="address requests to ranks go out on (default: endpoint port + 1)",
+        )
+        parser.add_argument("--log", metavar="FILE", help="show FILE in the job log view")
+
+    def run(self, args: argparse.Namespace) -> int:
+        env = dict(os.environ)
+        if args.endpoint:
+            env["DDPSCOPE_ENDPOINT"] = args.endpoint
+        if args.control_endpoint:
+            env["DDPSCOPE_CONTROL_ENDPOINT"] = args.control_endpoint
+        try:
+            opts = config.load(env=env)
+        except config.ConfigError as exc:
+            print(f"ddpscope watch: error: {exc}", file=sys.stderr)
+            return 2
+        from ddpscope.analysis.live import LiveFeed
+        from ddpscope.ui.app import build_app
+
+        try:
+            feed = LiveFeed(opts.endpoint, opts.resolved_control_endpoint(), freeze_gc=True)
+        except OSError as exc:
+            print(f"ddpscope watch: {exc} (is another watcher running?)", file=sys.stderr)
+            return EXIT_CANNOT_LISTEN
+        with feed:
+            run_app(build_app(feed, log_path=args.log))
+        return 0
+
+
+def job_log_path(env: Mapping[str, str]) -> str:
+    """Where the launched job's output goes: beside its recording, else a temp file."""
+    opts = config.load(env=env)
+    if opts.record:
+        run_dir = os.path.join(opts.record, opts.run_id)
+        os.makedirs(run_dir, exist_ok=True)
+        return os.path.join(run_dir, "job.log")  # readers skip files that are not records
+    return os.path.join(tempfile.gettempdir(), f"ddpscope-{opts.run_id}.log")
+
+
+def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
+    """``ddpscope run`` with the UI: the job's output to a log file, the UI in this terminal.
+
+    The UI stays on the job's final state until the user quits. Quitting
+    while the job runs leaves it running: the launcher then waits for it as
+    ``--headless`` would (signals are forwarded, its status is returned).
+    """
+    from ddpscope.analysis.live import LiveFeed
+    from ddpscope.cli.run import _Forwarder, launch
+    from ddpscope.ui.app import build_app
+
+    opts = config.load(env=env)
+    try:
+        feed = LiveFeed(opts.endpoint, opts.resolved_control_endpoint(), freeze_gc=True)
+    except OSError as exc:
+        print(f"ddpscope run: {exc}; running without the watcher", file=sys.stderr)
+        return launch(command, env)
+    log_path = job_log_path(env)
+    forwarder = _Forwarder()
+    forwarder.install()
+    try:
+        with feed, open(log_path, "ab") as log:
+            try:
+                child = subprocess.Popen(
+                    command,
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,  # the terminal belongs to the UI
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except FileNotFoundError:
+                print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
+                return 127
+            except PermissionError as exc:
+                print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
+                return 126
+            forwarder.started(child.pid)
+            run_app(build_app(feed, log_path=log_path, job=child))
+        if child.poll() is None:
+            print(
+                f"ddpscope run: watcher closed; job {child.pid} keeps running (output: "
+                f"{log_path}). Waiting for it; Ctrl-C stops it.",
+                file=sys.stderr,
+                flush=True,
+            )
+        rc = child.wait()
+    finally:
+        forwarder.restore()
+    print(f"ddpscope run: job output is in {log_path}", file=sys.stderr)
+    return 128 - rc if rc < 0 else rc

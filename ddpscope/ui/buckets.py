@@ -1,0 +1,96 @@
+"""Rank x bucket all-reduce wait: the waiting ranks glow, the slow rank is the cool row.
+
+Per bucket, the shortest duration over ranks is the transfer itself; what a
+rank spends above it is waiting for the others. Ranks that were early wait
+long (warm colours); the straggler arrives last and waits least. Values are
+averaged over the newest steps every rank reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.segment import Segment
+from rich.style import Style
+
+from ddpscope.analysis.live import BucketMatrix, RankRow
+from ddpscope.ui import format as fmt
+from ddpscope.ui.rows import RowsView, cell
+
+#: Cool to hot; index 0 is "no wait to speak of".
+RAMP = ("#4e4e4e", "#2e7d32", "#9e9d24", "#f9a825", "#ef6c00", "#e53935")
+#: Waits below this share of the worst one are drawn as "none".
+FLOOR = 0.05
+
+
+class BucketView(RowsView):
+    RANK_W = 5
+    MAX_W = 7
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.matrix: BucketMatrix | None = None
+        self._by_rank: dict[int, tuple[float, ...]] = {}
+        self.worst = 0.0
+        self._ramp = tuple(Style(color=c) for c in RAMP)
+
+    def set_matrix(self, matrix: BucketMatrix | None, rows: Sequence[RankRow]) -> None:
+        self.matrix = matrix
+        self._by_rank = dict(zip(matrix.ranks, matrix.wait_ms, strict=True)) if matrix else {}
+        self.worst = max((max(w, default=0.0) for w in self._by_rank.values()), default=0.0)
+        self.set_rows(rows)
+
+    def cell_width(self) -> int:
+        n = len(self.matrix.buckets) if self.matrix else 1
+        room = self.view_width - self.RANK_W - self.MAX_W - 3
+        return 2 if n * 2 <= room else 1
+
+    def region_width(self) -> int:
+        """Cells of the heat map, at least enough for the header's title."""
+        n = len(self.matrix.buckets) if self.matrix else 0
+        return max(n * self.cell_width(), 40)
+
+    def content_width(self) -> int:
+        return max(self.view_width, self.RANK_W + 1 + self.region_width() + 1 + self.MAX_W + 1)
+
+    def header_segments(self) -> list[Segment]:
+        style = self.style("rows--header")
+        if self.matrix is None:
+            return [cell("rank", self.RANK_W, style, True), cell("no complete step yet", 40, style)]
+        width = self.region_width()
+        steps = self.matrix.steps
+        span = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+        title = f"wait/bucket →, steps {span}, █ {fmt.ms(self.worst, 6).strip()}ms"
+        return [
+            cell("rank", self.RANK_W, style, True),
+            cell(title, width, style),
+            cell("max ms", self.MAX_W, style, True),
+        ]
+
+    def row_segments(self, row: RankRow) -> list[Segment]:
+        rank_style = self.level_style(row.level)
+        out = [cell(str(row.rank), self.RANK_W, rank_style, True)]
+        dim = self.style("rows--dim")
+        waits = self._by_rank.get(row.rank)
+        if self.matrix is None:
+            return out
+        n = len(self.matrix.buckets)
+        cw = self.cell_width()
+        if waits is None:
+            out.append(cell("no step in common", self.region_width(), dim))
+            return out
+        worst = self.worst or 1.0
+        for w in waits:
+            if w < 0:
+                out.append(Segment("?" * cw, dim))
+                continue
+            share = w / worst
+            if share < FLOOR:
+                out.append(Segment("·".ljust(cw), self._ramp[0]))
+                continue
+            level = 1 + min(len(RAMP) - 2, int(share * (len(RAMP) - 1)))
+            out.append(Segment("█" * cw, self._ramp[level]))
+        out.append(Segment(" " * (self.region_width() + 1 - n * cw), self.base_style))
+        worst_here = fmt.ms(max(waits, default=-1.0), self.MAX_W)
+        out.append(cell(worst_here, self.MAX_W, self.base_style, True))
+        return out

@@ -1,0 +1,114 @@
+"""Every finding, most severe and newest first, with its evidence and what to do."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widgets import Static
+
+from ddpscope.analysis.live import FindingView
+from ddpscope.ui import format as fmt
+
+SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
+ICON = {"error": "✖", "warning": "▲", "info": "●"}
+
+
+def _where(f: FindingView) -> str:
+    ranks = f"rank {f.ranks[0]}" if len(f.ranks) == 1 else f"ranks {fmt.ranks(list(f.ranks))}"
+    if not f.ranks:
+        ranks = "run"
+    since = f"since step {f.step}" + (f" (epoch {f.epoch})" if f.epoch >= 0 else "")
+    state = "" if f.active else f"  resolved by step {f.last_step}"
+    return f"{ranks}  {since}{state}"
+
+
+def compact_line(f: FindingView) -> Text:
+    style = SEVERITY_STYLE.get(f.severity, "") if f.active else "dim"
+    text = Text(no_wrap=True, overflow="ellipsis")
+    text.append(f"{ICON.get(f.severity, '●')} {f.kind} ", style)
+    text.append(f"{_where(f)}: ", "bold" if f.active else "dim")
+    text.append(f.message.splitlines()[0] if f.message else "", "" if f.active else "dim")
+    return text
+
+
+def card(f: FindingView) -> RenderableType:
+    style = SEVERITY_STYLE.get(f.severity, "") if f.active else "dim"
+    head = Text.assemble(
+        (f"{ICON.get(f.severity, '●')} {f.severity.upper()} ", style),
+        (f.kind, style),
+        ("  " + _where(f), "bold" if f.active else "dim"),
+    )
+    body = Text(f.message, style="" if f.active else "dim")
+    fix = Text.assemble(("→ ", "bold green"), (f.fix, "green" if f.active else "dim"))
+    parts: list[RenderableType] = [head, body, fix]
+    if f.evidence:
+        ev = Text("  ".join(f"{k}={v}" for k, v in f.evidence), style="dim")
+        parts.append(ev)
+    parts.append(Text(""))
+    return Group(*parts)
+
+
+class FindingsPanel(VerticalScroll, can_focus=True):
+    """Full cards, or one line per finding when squeezed under the ranks in a narrow terminal."""
+
+    DEFAULT_CSS = """
+    FindingsPanel { padding: 0 1; }
+    FindingsPanel > Static { width: 1fr; }
+    FindingsPanel.-compact > Static { text-wrap: nowrap; text-overflow: ellipsis; }
+    """
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.findings: tuple[FindingView, ...] = ()
+        self.compact = False
+        self._drawn: tuple[int, bool] | None = None
+        self._version = -1
+        self._body = Static(id="findings-body")
+
+    def compose(self) -> ComposeResult:
+        yield self._body
+
+    def on_mount(self) -> None:
+        self._draw()
+
+    def show(self, findings: tuple[FindingView, ...], version: int) -> None:
+        """New findings; redrawn only when the book's version moved."""
+        self.findings = findings
+        self._version = version
+        self._draw()
+
+    def set_compact(self, compact: bool) -> None:
+        """One line per finding (squeezed under the views) or full cards."""
+        self.compact = compact
+        self.set_class(compact, "-compact")
+        self._draw()
+
+    def _draw(self) -> None:
+        if self._drawn == (self._version, self.compact):
+            return
+        self._drawn = (self._version, self.compact)
+        findings, compact = self.findings, self.compact
+        active = sum(f.active for f in findings)
+        self.border_title = f"Findings: {active} active" + (
+            f", {len(findings) - active} resolved" if len(findings) > active else ""
+        )
+        if not findings:
+            self._body.update(Text("No findings: nothing wrong seen so far.", style="dim"))
+        elif compact:
+            lines = [compact_line(f) for f in findings]
+            lines.append(Text("4: evidence and what to do", style="dim"))
+            self._body.update(Text("\n").join(lines))
+        else:
+            self._body.update(Group(*(card(f) for f in findings)))
+
+    @property
+    def text(self) -> str:
+        """What the panel says, as plain text (for tests and screen readers)."""
+        if self.compact:
+            return "\n".join(compact_line(f).plain for f in self.findings)
+        out = []
+        for f in self.findings:
+            out.append(f"{f.severity} {f.kind} {_where(f)}\n{f.message}\n{f.fix}")
+        return "\n".join(out)

@@ -1,0 +1,95 @@
+"""The help screen: keys, views, and what the monitor's health figures mean."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+KEYS = (
+    ("q", "quit (a job started by ddpscope run keeps running; the launcher waits for it)"),
+    ("space", "pause / resume the display (telemetry is still taken in)"),
+    ("?  esc", "this help / close it"),
+    ("1 2 3 4 5", "views: ranks, step time, buckets, findings, job log"),
+    ("↑ ↓ pgup pgdn", "move between ranks, home/end: first/last (the views share one cursor)"),
+    ("enter", "rank detail: phase history, sampler, fingerprint, Python stacks"),
+    ("s", "ask the highlighted rank for fresh Python stacks (answers even when hung)"),
+    ("< >", "sort the ranks by the previous / next column (or click a header)"),
+    ("r", "reverse the sort"),
+    ("m", "step-time view: busy time (step minus all-reduce wait) or step time"),
+    ("tab", "move focus between panels"),
+)
+
+DETAIL_KEYS = (
+    "In the rank detail: s fresh stacks, f fingerprint now, left/right previous/next "
+    "rank, esc back."
+)
+
+HEALTH = (
+    ("rx", "telemetry messages received (per second in brackets)"),
+    (
+        "dropped",
+        "messages lost on the way: gaps in the ranks' sequence numbers plus what ranks dropped "
+        "from their own full queue. A steady climb means the watcher or the network is too slow.",
+    ),
+    ("rejected", "messages refused: undecodable, another schema version, absurd values"),
+    ("silent", "ranks the run says exist that sent nothing for 5 s (or never did)"),
+    (
+        "lag",
+        "median delay from a message's creation on its rank to its ingestion here over the last "
+        "snapshot (other hosts add their clock offset). Flat when the watcher keeps up; it "
+        "grows when the watcher falls behind.",
+    ),
+)
+
+BADGES = (
+    "Status badges: ok, exited; a finding's kind (straggler, hang, ...) when a finding singles "
+    "the rank out; silent (nothing for 5 s), no data (never heard from), disabled (ddpscope "
+    "turned itself off on that rank). Problem ranks sort first."
+)
+
+
+def _table(rows: tuple[tuple[str, str], ...], title: str) -> Table:
+    table = Table(
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        box=None,
+        show_header=False,
+        pad_edge=False,
+        expand=True,
+    )
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column(ratio=1)
+    for key, what in rows:
+        table.add_row(key, what)
+    return table
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,question_mark", "app.pop_screen", "Close")]
+
+    DEFAULT_CSS = """
+    HelpScreen { align: center middle; }
+    HelpScreen > VerticalScroll { width: 96%; max-width: 110; height: 94%;
+        border: round $accent; background: $surface; padding: 0 1; }
+    """
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll() as scroll:
+            scroll.border_title = "ddpscope watch: help (esc closes)"
+            yield Static(
+                Group(
+                    _table(KEYS, "Keys"),
+                    Text(DETAIL_KEYS, style="dim"),
+                    Text(""),
+                    _table(HEALTH, "The header's monitor line"),
+                    Text(""),
+                    Text(BADGES),
+                )
+            )

@@ -1,0 +1,148 @@
+"""The ranks table: one row per rank, every column sortable, problem ranks first by default."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.segment import Segment
+
+from ddpscope.analysis.live import RankRow
+from ddpscope.ui import format as fmt
+from ddpscope.ui.messages import SortRequested
+from ddpscope.ui.rows import RowsView, cell
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    label: str
+    width: int
+    text: Callable[[RankRow], str]
+    sort: Callable[[RankRow], Any]
+    right: bool = True
+    #: Biggest first when sorted by this column (slowest step, oldest heartbeat...).
+    descending: bool = True
+
+
+def _problem_first(row: RankRow) -> Any:
+    return (-row.level, row.rank)
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("rank", "rank", 5, lambda r: str(r.rank), lambda r: r.rank, descending=False),
+    Column(
+        "status", "status", 10, lambda r: r.status, _problem_first, right=False, descending=False
+    ),
+    Column("step", "step", 7, lambda r: str(r.step), lambda r: r.step, descending=False),
+    Column("epoch", "ep", 3, lambda r: "-" if r.epoch < 0 else str(r.epoch), lambda r: r.epoch),
+    Column("step_ms", "step ms", 7, lambda r: fmt.ms(r.step_ms, 7), lambda r: r.step_ms),
+    Column("wait_ms", "wait", 6, lambda r: fmt.ms(r.wait_ms), lambda r: r.wait_ms),
+    Column("data_ms", "data", 6, lambda r: fmt.ms(r.data_ms), lambda r: r.data_ms),
+    Column("forward_ms", "fwd", 6, lambda r: fmt.ms(r.forward_ms), lambda r: r.forward_ms),
+    Column("backward_ms", "bwd", 6, lambda r: fmt.ms(r.backward_ms), lambda r: r.backward_ms),
+    Column("optimizer_ms", "opt", 6, lambda r: fmt.ms(r.optimizer_ms), lambda r: r.optimizer_ms),
+    Column("cpu", "cpu%", 4, lambda r: fmt.pct(r.cpu_pct), lambda r: r.cpu_pct),
+    Column("rss", "rss", 6, lambda r: fmt.nbytes(r.rss_bytes), lambda r: r.rss_bytes),
+    Column("hb", "hb", 5, lambda r: fmt.age(r.hb_age_s), lambda r: r.hb_age_s),
+    Column(
+        "phase",
+        "phase",
+        9,
+        lambda r: r.phase,
+        lambda r: (r.phase, r.rank),
+        right=False,
+        descending=False,
+    ),
+    Column(
+        "host",
+        "host",
+        16,
+        lambda r: r.host,
+        lambda r: (r.host, r.rank),
+        right=False,
+        descending=False,
+    ),
+)
+COLUMN_KEYS = tuple(c.key for c in COLUMNS)
+_BY_KEY = {c.key: c for c in COLUMNS}
+
+
+def order_rows(rows: Sequence[RankRow], column: str, reverse: bool) -> list[RankRow]:
+    """Rows sorted by ``column`` in its natural direction (flipped by ``reverse``).
+
+    Ties fall back to problem-first then rank order, so equal values never shuffle.
+    """
+    col = _BY_KEY[column]
+    tie = sorted(rows, key=_problem_first)
+    return sorted(tie, key=col.sort, reverse=col.descending != reverse)
+
+
+class RanksTable(RowsView):
+    """Sort with ``<``/``>`` (column) and ``r`` (direction), or click a header."""
+
+    DEFAULT_CSS = """
+    RanksTable > .ranks--sorted { text-style: bold underline; }
+    """
+    COMPONENT_CLASSES = RowsView.COMPONENT_CLASSES | {"ranks--sorted"}
+
+    fixed_width = COLUMNS[0].width + 1
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.sort_column = "status"
+        self.sort_reverse = False
+
+    def content_width(self) -> int:
+        return sum(c.width + 1 for c in COLUMNS)
+
+    def header_segments(self) -> list[Segment]:
+        plain = self.style("rows--header")
+        sorted_style = plain + self.style("ranks--sorted")
+        out = []
+        for c in COLUMNS:
+            label = c.label
+            style = plain
+            if c.key == self.sort_column:
+                arrow = "▼" if c.descending != self.sort_reverse else "▲"
+                label = f"{label}{arrow}" if not c.right else f"{arrow}{label}"
+                style = sorted_style
+            out.append(cell(label, c.width, style, c.right))
+        return out
+
+    def row_segments(self, row: RankRow) -> list[Segment]:
+        normal = self.base_style
+        dim = self.style("rows--dim")
+        badge = self.level_style(row.level)
+        out = []
+        for c in COLUMNS:
+            text = c.text(row)
+            if c.key == "status":
+                style = badge
+            elif c.key == "rank" or text.strip() == "-":
+                style = dim if text.strip() == "-" else normal
+            else:
+                style = normal
+            out.append(cell(text, c.width, style, c.right))
+        return out
+
+    def sort_by(self, column: str, reverse: bool | None = None) -> None:
+        if column == self.sort_column and reverse is None:
+            self.sort_reverse = not self.sort_reverse
+        else:
+            self.sort_column = column
+            self.sort_reverse = bool(reverse)
+        self.redraw()
+
+    def step_column(self, delta: int) -> None:
+        i = COLUMN_KEYS.index(self.sort_column)
+        self.sort_by(COLUMN_KEYS[(i + delta) % len(COLUMN_KEYS)], reverse=False)
+
+    def header_clicked(self, x: int) -> None:
+        left = 0
+        for c in COLUMNS:
+            if left <= x < left + c.width + 1:
+                self.post_message(SortRequested(c.key))
+                return
+            left += c.width + 1

@@ -1,0 +1,476 @@
+"""The watch app driven by Pilot, fed by real ZeroMQ messages from a synthetic run."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from synthetic import SyntheticRun, Wire, wait_received
+from textual.pilot import Pilot
+
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.schema import Message
+from ddpscope.ui.app import WatchApp, build_app
+from ddpscope.ui.buckets import BucketView
+from ddpscope.ui.detail import RankDetailScreen
+from ddpscope.ui.findings import FindingsPanel
+from ddpscope.ui.header import HeaderPanel
+from ddpscope.ui.help import HelpScreen
+from ddpscope.ui.logview import LogView
+from ddpscope.ui.ranks import COLUMNS, RanksTable
+from ddpscope.ui.rows import RowsView
+from ddpscope.ui.steptimes import StepTimes
+
+SLOW = 4
+
+
+@dataclass
+class Rig:
+    run: SyntheticRun
+    wire: Wire
+    feed: LiveFeed
+
+    def send(self, messages: list[Message]) -> None:
+        before = self.feed.received
+        self.wire.send(messages)
+        wait_received(self.feed, before + len(messages))
+
+
+def _detectors() -> list:
+    straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
+    return [straggler.StragglerDetector()]
+
+
+@contextmanager
+def _rig(endpoint: str, run: SyntheticRun) -> Iterator[Rig]:
+    feed = LiveFeed(endpoint, detectors=_detectors())
+    wire = Wire(endpoint)
+    feed.start()
+    try:
+        wire.wait_subscribed()
+        yield Rig(run, wire, feed)
+    finally:
+        feed.stop()
+        wire.close()
+
+
+@pytest.fixture
+def rig(endpoint: str) -> Iterator[Rig]:
+    with _rig(endpoint, SyntheticRun(world=6, buckets=8, slow_rank=SLOW, slow_ms=60)) as r:
+        yield r
+
+
+Scenario = Callable[[Pilot[None]], Awaitable[None]]
+
+
+def drive(app: WatchApp, scenario: Scenario, size: tuple[int, int] = (120, 40)) -> None:
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            await scenario(pilot)
+
+    asyncio.run(main())
+
+
+async def until(pilot: Pilot[None], condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.02)
+
+
+def lines(view: RowsView) -> list[str]:
+    """What the view shows, line by line, as plain text."""
+    return [view.render_line(y).text for y in range(view.scrollable_content_region.height)]
+
+
+def app_for(rig: Rig, **kwargs: object) -> WatchApp:
+    return build_app(rig.feed, pull_s=0.05, **kwargs)  # type: ignore[arg-type]
+
+
+def _has_finding(app: WatchApp) -> bool:
+    return app.snapshot is not None and any(f.kind == "straggler" for f in app.snapshot.findings)
+
+
+# --- ranks table -------------------------------------------------------------------------
+
+
+def test_ranks_table_lists_every_rank_and_puts_the_straggler_first(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app) and table.rows[0].rank == SLOW)
+        shown = lines(table)
+        assert shown[0].split()[:3] == ["rank", "status▲", "step"]
+        assert shown[1].split()[:3] == [str(SLOW), "straggler", "60"]
+        assert [row.rank for row in table.rows] == [SLOW, 0, 1, 2, 3, 5]
+        assert table.cursor_rank == SLOW  # the cursor stays on the worst rank until moved
+        assert all(line.split()[1] == "ok" for line in shown[2:7])
+
+    drive(app, scenario)
+
+
+def test_sort_keys_cycle_columns_and_r_reverses(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 10))
+        await until(pilot, lambda: len(table.rows) == 6)
+        await pilot.press("greater_than_sign", "greater_than_sign", "greater_than_sign")
+        await pilot.press("greater_than_sign")
+        assert table.sort_column == "wait_ms"
+        await until(pilot, lambda: table.rows[-1].rank == SLOW)  # waits least: last
+        assert "▼wait" in lines(table)[0]
+        await pilot.press("r")
+        await until(pilot, lambda: table.rows[0].rank == SLOW)
+        assert "▲wait" in lines(table)[0]
+        await pilot.press("less_than_sign")
+        assert table.sort_column == "step_ms"
+
+    drive(app, scenario)
+
+
+def test_clicking_a_column_header_sorts_by_that_column(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 10))
+        await until(pilot, lambda: len(table.rows) == 6)
+        x = sum(c.width + 1 for c in COLUMNS[: [c.key for c in COLUMNS].index("cpu")]) + 1
+        await pilot.click(RanksTable, offset=(x, 0))
+        assert table.sort_column == "cpu"
+        # cpu% is 95 + rank % 5 in the synthetic run: rank 4 (99%) first, biggest first.
+        await until(pilot, lambda: [r.rank for r in table.rows][:2] == [4, 3])
+
+    drive(app, scenario)
+
+
+def test_cursor_moves_with_arrows_and_is_shared_by_every_rank_view(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 10))
+        await until(pilot, lambda: len(table.rows) == 6)
+        await pilot.press("down", "down", "end", "up")
+        assert table.cursor_rank == table.rows[4].rank == app.selected
+        await pilot.press("2")
+        steps = app.query_one(StepTimes)
+        await until(pilot, lambda: len(steps.rows) == 6)
+        assert steps.cursor_rank == app.selected and steps.has_focus
+
+    drive(app, scenario)
+
+
+# --- header ------------------------------------------------------------------------------
+
+
+def test_header_shows_the_run_its_pace_and_the_monitors_health(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        header = app.query_one(HeaderPanel)
+        await until(pilot, lambda: "WAITING" in header.plain)
+        assert "listening on ipc://" in header.plain
+        rig.send(rig.run.opening() + rig.run.steps(0, 20))
+        await until(pilot, lambda: "step 20" in header.plain)
+        first, second, health = header.plain.splitlines()
+        assert "LIVE" in first and rig.run.run_id in first and "6 ranks on 1 host" in first
+        assert "epoch 0" in second and "6.2 steps/s" in second  # 160 ms steps
+        assert "rx 144" in health and "dropped 0" in health and "silent 0" in health
+
+    drive(app, scenario)
+
+
+# --- step times and buckets ------------------------------------------------------------------
+
+
+def test_step_time_view_draws_a_sparkline_per_rank_where_the_straggler_stands_out(
+    rig: Rig,
+) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 30))
+        await pilot.press("2")
+        steps = app.query_one(StepTimes)
+        await until(pilot, lambda: len(steps.rows) == 6 and bool(steps.rows[0].recent_busy_ms))
+        shown = {int(line.split()[0]): line for line in lines(steps)[1:7]}
+        assert set(shown) == set(range(6))
+        assert "█" * 30 in shown[SLOW] and shown[SLOW].split()[-2:] == ["160", "160"]
+        assert "█" not in shown[0] and shown[0].split()[-2:] == ["100", "100"]
+        await pilot.press("m")  # step time: equal on every rank
+        assert steps.metric == "step"
+        assert "step time" in lines(steps)[0]
+
+    drive(app, scenario)
+
+
+def test_bucket_view_shows_the_waiting_ranks_and_spares_the_slow_one(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 12))
+        await pilot.press("3")
+        buckets = app.query_one(BucketView)
+        await until(pilot, lambda: buckets.matrix is not None and len(buckets.rows) == 6)
+        shown = {int(line.split()[0]): line for line in lines(buckets)[1:7]}
+        assert "█" not in shown[SLOW] and shown[SLOW].split()[-1] == "0.00"
+        assert all("██" in shown[r] and shown[r].split()[-1] == "60.0" for r in shown if r != SLOW)
+        assert "steps 7-11" in lines(buckets)[0]
+
+    drive(app, scenario)
+
+
+# --- findings ------------------------------------------------------------------------------
+
+
+def test_a_finding_appears_in_the_findings_panel_with_evidence_and_fix(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        panel = app.query_one(FindingsPanel)
+        rig.send(rig.run.opening() + rig.run.steps(0, 5))
+        await until(pilot, lambda: app.snapshot is not None and app.snapshot.header is not None)
+        assert panel.findings == () and "No findings" in str(
+            panel.query_one("#findings-body").render()
+        )
+        rig.send(rig.run.steps(5, 60))
+        await until(pilot, lambda: bool(panel.findings))
+        assert panel.compact  # squeezed under the table at 120 columns
+        assert f"straggler rank {SLOW}" in panel.text
+        await pilot.press("4")  # the findings view: full cards
+        await until(pilot, lambda: not panel.compact)
+        finding = panel.findings[0]
+        assert finding.kind == "straggler" and finding.ranks == (SLOW,)
+        assert finding.fix in panel.text and finding.evidence
+        assert panel.border_title == "Findings: 1 active"
+
+    drive(app, scenario)
+
+
+# --- rank detail and stacks ------------------------------------------------------------------
+
+
+def test_enter_opens_the_rank_detail_and_escape_comes_back(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 30))
+        await until(pilot, lambda: len(table.rows) == 6)
+        await pilot.press("down")
+        chosen = table.cursor_rank
+        await pilot.press("enter")
+        screen = app.screen
+        assert isinstance(screen, RankDetailScreen) and screen.rank == chosen
+        await until(pilot, lambda: screen.detail is not None)
+        assert screen.detail is not None
+        assert [p.step for p in screen.detail.phases][-1] == 29
+        assert screen.detail.fingerprint == "no fingerprint yet"
+        await pilot.press("right")  # next rank in the table's order
+        nxt = app.screen
+        order = [r.rank for r in table.rows]
+        following = order[(order.index(chosen) + 1) % len(order)]  # wraps past the last
+        assert isinstance(nxt, RankDetailScreen) and nxt.rank == following
+        await pilot.press("escape")
+        assert app.screen.query_one(RanksTable) is table
+
+    drive(app, scenario)
+
+
+def test_s_asks_the_rank_for_fresh_stacks_and_the_detail_shows_them(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 10))
+        await until(pilot, lambda: len(table.rows) == 6)
+        await pilot.press("down", "down", "enter")
+        screen = app.screen
+        assert isinstance(screen, RankDetailScreen)
+        await until(pilot, lambda: screen.detail is not None)
+        assert screen.detail is not None and screen.detail.stacks is None
+        await pilot.press("s")
+        await until(
+            pilot, lambda: screen.detail is not None and screen.detail.stacks_pending_s >= 0
+        )
+        # The rank's publisher answers the request it received over the control socket.
+        await until(pilot, lambda: rig.wire.answer_stacks(rig.run, 10) > 0)
+        assert [(r.what, r.target, r.run) for r in rig.wire.requests] == [
+            ("stacks", screen.rank, rig.run.run_id)
+        ]
+        await until(pilot, lambda: screen.detail is not None and screen.detail.stacks is not None)
+        assert "train.py:88 in train" in screen.stacks_plain
+        assert screen.detail.stacks_pending_s == -1
+        await pilot.press("f")  # and a weight fingerprint, from every rank
+        await until(pilot, lambda: bool(rig.wire.poll_requests()))
+        assert rig.wire.requests[-1].what == "fingerprint" and rig.wire.requests[-1].target == -1
+
+    drive(app, scenario)
+
+
+# --- pause, help, layout ------------------------------------------------------------------------
+
+
+def test_space_pauses_the_display_and_space_resumes_it(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        header = app.query_one(HeaderPanel)
+        rig.send(rig.run.opening() + rig.run.steps(0, 10))
+        await until(pilot, lambda: bool(table.rows) and table.rows[0].step == 10)
+        await pilot.press("space")
+        assert "PAUSED" in header.plain
+        rig.send(rig.run.steps(10, 20))
+        await pilot.pause(0.3)  # several pulls' worth
+        assert table.rows[0].step == 10 and "step 10" in header.plain
+        await pilot.press("enter")  # a rank opened while paused still gets its detail
+        screen = app.screen
+        assert isinstance(screen, RankDetailScreen)
+        await until(pilot, lambda: screen.detail is not None)
+        await pilot.press("escape", "space")
+        await until(pilot, lambda: table.rows[0].step == 20)
+        assert "LIVE" in header.plain
+
+    drive(app, scenario)
+
+
+def test_question_mark_opens_help_and_escape_closes_it(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert not isinstance(app.screen, HelpScreen)
+
+    drive(app, scenario)
+
+
+def test_80x24_shows_one_view_with_the_findings_squeezed_beneath(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app))
+        table, panel = app.query_one(RanksTable), app.query_one(FindingsPanel)
+        assert table.display and not app.query_one(StepTimes).display
+        assert panel.compact and panel.region.height <= 8
+        assert table.region.height >= 8  # the table keeps most of the screen
+        assert table.region.bottom <= panel.region.y
+        await pilot.press("4")
+        assert not app.query_one("#views").display and not panel.compact
+
+    drive(app, scenario, size=(80, 24))
+
+
+def test_a_large_terminal_shows_every_panel_at_once(rig: Rig) -> None:
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app))
+        steps, buckets = app.query_one(StepTimes), app.query_one(BucketView)
+        await until(pilot, lambda: len(steps.rows) == 6 and len(buckets.rows) == 6)
+        table, panel = app.query_one(RanksTable), app.query_one(FindingsPanel)
+        assert not panel.compact and panel.region.x > table.region.right - 1
+        assert steps.region.y > table.region.y and buckets.region.x > steps.region.x
+
+    drive(app, scenario, size=(200, 60))
+
+
+# --- 256 ranks ---------------------------------------------------------------------------------
+
+
+def test_256_ranks_scroll_with_the_problem_rank_first(endpoint: str) -> None:
+    big = SyntheticRun(world=256, buckets=32, slow_rank=200, slow_ms=60)
+    with _rig(endpoint, big) as rig:
+        app = app_for(rig)
+        drive(app, _scroll_256(app, rig), size=(80, 24))
+
+
+def _scroll_256(app: WatchApp, rig: Rig) -> Scenario:
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 40))
+        await until(pilot, lambda: _has_finding(app) and table.rows[0].rank == 200)
+        assert len(table.rows) == 256 and table.virtual_size.height == 257
+        assert lines(table)[1].split()[:2] == ["200", "straggler"]
+        await pilot.press("end")
+        assert table.cursor_rank == table.rows[-1].rank
+        last = str(table.rows[-1].rank)
+        await until(pilot, lambda: lines(table)[-1].split()[0] == last)  # scrolled into view
+
+    return scenario
+
+
+# --- runs and jobs -------------------------------------------------------------------------------
+
+
+def test_a_new_run_is_announced_and_followed(rig: Rig) -> None:
+    app = app_for(rig)
+    notes: list[str] = []
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        header = app.query_one(HeaderPanel)
+        rig.send(rig.run.opening() + rig.run.steps(0, 5))
+        await until(pilot, lambda: rig.run.run_id in header.plain)
+        nxt = SyntheticRun(run_id="second-run", world=2)
+        rig.send(nxt.opening() + nxt.steps(0, 3))
+        await until(pilot, lambda: "second-run" in header.plain)
+        assert "2 ranks" in header.plain and "run 2 seen" in header.plain
+        notes.extend(n.message for n in app._notifications)
+
+    drive(app, scenario)
+    assert any("new run second-run" in n for n in notes)
+
+
+def test_after_the_job_ends_the_view_keeps_its_final_state(rig: Rig) -> None:
+    job = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    job.wait()
+    app = app_for(rig, job=job)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        header = app.query_one(HeaderPanel)
+        table = app.query_one(RanksTable)
+        rig.send(rig.run.opening() + rig.run.steps(0, 8) + [rig.run.end(r, 8) for r in range(6)])
+        await until(pilot, lambda: "job exited 3" in header.plain)
+        await until(pilot, lambda: bool(table.rows) and table.rows[0].status == "exited")
+        await pilot.pause(0.3)
+        assert app.is_running and "step 8" in header.plain
+        assert all(r.status == "exited" for r in table.rows)
+
+    drive(app, scenario)
+
+
+def test_the_job_log_view_tails_the_log_file(rig: Rig, tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    log.write_text("epoch 0 started\nloss 2.30\rloss 2.10\n")
+    app = app_for(rig, log_path=str(log))
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        view = app.query_one(LogView)
+        await pilot.press("5")
+        assert view.display and view.has_focus
+        await until(pilot, lambda: "loss 2.10" in view.lines)
+        assert "loss 2.30" not in view.lines  # a carriage return redraws the line
+        with log.open("a") as f:
+            f.write("epoch 1 started\npartial")
+        await until(pilot, lambda: "epoch 1 started" in view.lines)
+        assert "partial" not in view.lines  # shown once its line is complete
+
+    drive(app, scenario)

@@ -1,0 +1,66 @@
+"""The UI's fixed-width formatting and row ordering: pure functions, no app."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddpscope.analysis.live import ERROR, OK, WARNING, RankRow
+from ddpscope.ui import format as fmt
+from ddpscope.ui.ranks import COLUMNS, order_rows
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(-1, "     -"), (0.1234, "  0.12"), (12.34, "  12.3"), (123.4, "   123"), (99_999, " 99999"),
+     (250_000, "  250s")],
+)  # fmt: skip
+def test_milliseconds_always_take_the_same_width(value: float, text: str) -> None:
+    assert fmt.ms(value) == text and len(fmt.ms(value, 7)) == 7
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(999, "999"), (1234, "1.2k"), (56_789, "56k"), (2_500_000, "2.5M")]
+)
+def test_counts_are_short(value: int, text: str) -> None:
+    assert fmt.count(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(-1, "-"), (512, "512B"), (1536, "1.5K"), (900 * 2**20, "900M")]
+)
+def test_sizes_use_binary_units(value: int, text: str) -> None:
+    assert fmt.nbytes(value) == text
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"), [(-1, "-"), (0.43, "0.4s"), (42, "42s"), (600, "10m"), (10_800, "3h")]
+)
+def test_ages_read_at_a_glance(seconds: float, text: str) -> None:
+    assert fmt.age(seconds) == text
+
+
+def test_elapsed_is_a_clock_and_long_rank_lists_are_cut() -> None:
+    assert fmt.clock(3_723.9) == "1:02:03"
+    assert fmt.ranks([0, 1, 2, 3, 4, 5, 6, 7], limit=3) == "0, 1, 2 +5"
+
+
+def _row(rank: int, level: int = OK, step_ms: float = 100.0) -> RankRow:
+    return RankRow(rank, "h", 1, 0, step_ms, 1, 1, 1, 1, 1, 50, 1, 0.1, "idle", "x", level)
+
+
+def test_problem_ranks_sort_first_then_by_rank() -> None:
+    rows = [_row(0), _row(1, WARNING), _row(2), _row(3, ERROR)]
+    assert [r.rank for r in order_rows(rows, "status", False)] == [3, 1, 0, 2]
+    assert [r.rank for r in order_rows(rows, "status", True)] == [2, 0, 1, 3]
+
+
+def test_numeric_columns_sort_biggest_first_and_ties_keep_problem_order() -> None:
+    rows = [_row(0, step_ms=90), _row(1, step_ms=120), _row(2, WARNING, 90), _row(3, step_ms=90)]
+    assert [r.rank for r in order_rows(rows, "step_ms", False)] == [1, 2, 0, 3]
+    assert [r.rank for r in order_rows(rows, "step_ms", True)] == [2, 0, 3, 1]
+
+
+def test_every_column_can_sort() -> None:
+    rows = [_row(r, level=r % 3) for r in range(5)]
+    for column in COLUMNS:
+        assert sorted(r.rank for r in order_rows(rows, column.key, False)) == list(range(5))

@@ -1,0 +1,115 @@
+"""Snapshot tests of the watch app: exact screens at 80x24 and at a large size.
+
+The feed's clock is frozen and the synthetic run's messages carry fixed sender
+clocks, so every figure on screen (elapsed time, ages, rates, lag) is the same
+on every run. The SVGs live in tests/__snapshots__/; after a deliberate change
+to the UI, review and accept new ones with ``pytest --snapshot-update``.
+Textual is pinned in the dev extras: its rendering changes between versions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from synthetic import SyntheticRun, Wire, clock_at, wait_received
+from textual.pilot import Pilot
+
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.ui.app import WatchApp, build_app
+from ddpscope.ui.detail import RankDetailScreen
+
+pytest.importorskip("pytest_textual_snapshot")
+
+# Rank 5 turns slow at step 20: the step-time view shows the onset.
+RUN = dict(run_id="snapshot-run", world=8, buckets=12, slow_rank=5, slow_ms=60, slow_from=20)
+STEPS = 60
+
+SnapCompare = Callable[..., bool]
+
+
+@pytest.fixture
+def app(endpoint: str) -> Iterator[WatchApp]:
+    straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
+    run = SyntheticRun(**RUN)  # type: ignore[arg-type]
+    feed = LiveFeed(endpoint, detectors=[straggler.StragglerDetector()], clock=clock_at(run, STEPS))
+    wire = Wire(endpoint)
+    feed.start()
+    try:
+        wire.wait_subscribed()
+        messages = run.opening() + run.steps(0, STEPS)
+        wire.send(messages)
+        wait_received(feed, len(messages))
+        yield build_app(feed, pull_s=0.05)
+    finally:
+        feed.stop()
+        wire.close()
+
+
+def settled(app: WatchApp) -> bool:
+    """Everything ingested, the straggler found, and a snapshot with an empty lag window shown."""
+    snap = app.snapshot
+    return (
+        snap is not None
+        and bool(snap.findings)
+        and snap.health.lag_s == -1
+        and any(r.status == "straggler" for r in snap.rows)
+    )
+
+
+async def wait_settled(pilot: Pilot[None], extra: Callable[[], bool] = lambda: True) -> None:
+    app = pilot.app
+    assert isinstance(app, WatchApp)
+    deadline = time.monotonic() + 15
+    while not (settled(app) and extra()):
+        assert time.monotonic() < deadline, "the app never settled"
+        await pilot.pause(0.05)
+    await pilot.pause(0.2)  # one more pull, so every panel shows the same snapshot
+
+
+def test_main_view_at_80x24(app: WatchApp, snap_compare: SnapCompare) -> None:
+    assert snap_compare(app, terminal_size=(80, 24), run_before=wait_settled)
+
+
+def test_step_time_view_at_80x24(app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await pilot.press("2")
+        await wait_settled(pilot, lambda: bool(app.steps.rows and app.steps.rows[0].recent_busy_ms))
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_bucket_view_at_80x24(app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await pilot.press("3")
+        await wait_settled(pilot, lambda: app.buckets.matrix is not None)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_findings_view_at_80x24(app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await pilot.press("4")
+        await wait_settled(pilot)
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_rank_detail_at_80x24(app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await wait_settled(pilot)
+        await pilot.press("enter")  # the cursor starts on the first row: the straggler
+        await wait_settled(
+            pilot,
+            lambda: isinstance(app.screen, RankDetailScreen) and app.screen.detail is not None,
+        )
+
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_dashboard_at_200x50(app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await wait_settled(pilot, lambda: app.buckets.matrix is not None and bool(app.steps.rows))
+
+    assert snap_compare(app, terminal_size=(200, 50), run_before=run_before)
