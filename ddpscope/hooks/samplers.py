@@ -110,13 +110,12 @@ from torch.utils.data import dataloader as _torch_dataloader
 
 __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"]
 
+from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
+
 _log = logging.getLogger("ddpscope")
 
 HEAD_LEN = 16
-_M64 = (1 << 64) - 1
-_GOLDEN = 0x9E3779B97F4A7C15
-_C1 = 0xBF58476D1CE4E5B9
-_C2 = 0x94D049BB133111EB
+_M64, _GOLDEN, _C1, _C2 = M64, GOLDEN, C1, C2
 #: Largest innermost-dataset length for which the qualifying set is precomputed.
 _MAX_DOMAIN = 1 << 27
 #: Largest precomputed qualifying set (about 4 MiB as a Python set).
@@ -128,14 +127,6 @@ _PENDING = 256
 #: Stock samplers (exact types: subclasses may override __iter__) that only yield
 #: indices in range(len(their dataset)).
 _IN_RANGE = (DistributedSampler, RandomSampler, SequentialSampler)
-
-
-def mix64(i: int) -> int:
-    """splitmix64 finaliser of ``i`` taken modulo 2**64: the sketch's hash."""
-    z = (i + _GOLDEN) & _M64
-    z = ((z ^ (z >> 30)) * _C1) & _M64
-    z = ((z ^ (z >> 27)) * _C2) & _M64
-    return z ^ (z >> 31)
 
 
 def sketch_mod_for(expected: int, target: int) -> int:
@@ -177,17 +168,7 @@ def _kept_in_range(n: int, mod: int) -> frozenset[int]:
     return frozenset(out)
 
 
-def _pick(idx: Iterable[int], mask: int) -> list[int]:
-    """The Python path of the sketch rule (``mask`` is ``sketch_mod - 1``)."""
-    m, g, c1, c2 = _M64, _GOLDEN, _C1, _C2
-    out = []
-    for i in idx:
-        z = (i + g) & m
-        z = ((z ^ (z >> 30)) * c1) & m
-        z = ((z ^ (z >> 27)) * c2) & m
-        if not (z ^ (z >> 31)) & mask:
-            out.append(i)
-    return out
+_pick = keep  # the Python path of the sketch rule (``mask`` is ``sketch_mod - 1``)
 
 
 def _qualname(obj: object) -> str:

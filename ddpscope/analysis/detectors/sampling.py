@@ -83,6 +83,7 @@ from ddpscope.analysis.detectors.liveness import ranks_text
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import MAX_PASSES, RunState
 from ddpscope.schema import End, Heartbeat, Message, SamplerPass, SamplerPassEnd, Step
+from ddpscope.sketch import M64, keep, mix64
 
 __all__ = [
     "PassLedger",
@@ -111,15 +112,7 @@ _PASS_MESSAGES = (Step, SamplerPass, SamplerPassEnd, End)
 #: Widest samples-per-step interval checked value by value when predicting steps.
 MAX_EXACT_SPAN = 256
 
-_M64 = (1 << 64) - 1
-
-
-def mix64(i: int) -> int:
-    """splitmix64 finaliser, as the rank-side probe hashes sketch indices."""
-    z = (i + 0x9E3779B97F4A7C15) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return z ^ (z >> 31)
+_M64 = M64
 
 
 def _plural(ranks: Iterable[int]) -> str:
@@ -679,17 +672,7 @@ class _Union:
         return {r: self.excess_of(r) for r in self.recs if self.points.get(r)}
 
 
-def _keep(pts: list[int], mask: int) -> list[int]:
-    """The points ``i`` with ``mix64(i) & mask == 0`` (mix64 inlined: a hot loop)."""
-    m, g, c1, c2 = _M64, 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-    out = []
-    for i in pts:
-        z = (i + g) & m
-        z = ((z ^ (z >> 30)) * c1) & m
-        z = ((z ^ (z >> 27)) * c2) & m
-        if not (z ^ (z >> 31)) & mask:
-            out.append(i)
-    return out
+_keep = keep  # the rank side's rule: a point stays when mix64(i) & mask == 0
 
 
 def _thin(pts: list[int], bits: int) -> list[int]:
