@@ -78,6 +78,14 @@ class RunInfo(Message):
     started_wall_ns: int
     #: Effective ddpscope options on this rank.
     options: dict[str, Any] = field(default_factory=dict)
+    #: Absolute path of the script the rank runs (sys.argv[0]); "" if unknown.
+    script: str = ""
+    #: CUDA devices visible to the rank (-1: not checked, 0: no CUDA).
+    cuda_visible: int = -1
+    #: The GPU the rank should use given LOCAL_RANK ("" when it cannot be told).
+    device_expected: str = ""
+    #: UUID of the model's GPU ("" on CPU or when unknown).
+    device_uuid: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -247,6 +255,83 @@ class End(Message):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BatchInfo(Message):
+    """What the model's training forwards look like: per-rank batch, BatchNorm layers."""
+
+    KIND: ClassVar[str] = "batch"
+    #: Steps the model had closed when this was seen.
+    step: int
+    #: Largest first dimension of a training forward's input so far (-1: unknown).
+    size: int
+    #: Where the size was read: "args[0]", "kwargs['input_ids']", ... ("" if unknown).
+    source: str = ""
+    #: BatchNorm layers (not SyncBatchNorm) in training mode, at most 64 names.
+    batchnorm: list[str] = field(default_factory=list)
+    batchnorm_count: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveCall(Message):
+    """``torch.save`` to a file path (the first save to each path)."""
+
+    KIND: ClassVar[str] = "save"
+    step: int
+    #: Absolute path written.
+    path: str
+    #: First caller frame outside torch and ddpscope: "file:line in function".
+    site: str
+    #: What was saved: "ddp_state_dict" (the DDP wrapper's state_dict, keys "module."...),
+    #: "ddp_module" (the DDP wrapper itself), or "other".
+    what: str
+    #: Key of the checkpoint dict that held it ("" when saved at the top level).
+    key: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Collectives(Message):
+    """Collectives this process issued since it attached, counted by call site."""
+
+    KIND: ClassVar[str] = "collectives"
+    #: Steps closed when the counts were taken.
+    step: int
+    #: True for the snapshot taken at shutdown.
+    final: bool = False
+    #: Parallel lists: operation, group ("" for the default group, else "0,2,..."),
+    #: call site and cumulative count.
+    ops: list[str] = field(default_factory=list)
+    groups: list[str] = field(default_factory=list)
+    sites: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataParallelSeen(Message):
+    """An ``nn.DataParallel`` in a process that runs DistributedDataParallel."""
+
+    KIND: ClassVar[str] = "dataparallel"
+    step: int
+    #: Where it was constructed ("" when found inside an attached DDP model).
+    site: str
+    #: Qualified type of the module it wraps.
+    module: str
+    device_ids: list[int] = field(default_factory=list)
+    #: Found inside an attached DDP model (DDP wrapping DataParallel).
+    inside_ddp: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shutdown(Message):
+    """The process group's state when ddpscope shut down on this rank."""
+
+    KIND: ClassVar[str] = "shutdown"
+    step: int
+    #: A default process group was still initialised (destroy_process_group not called).
+    pg_initialized: bool
+    #: Where destroy_process_group() was called ("" if it was not seen).
+    destroy_site: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Request(Message):
     """Watcher to rank: the only thing a watcher can ask for."""
 
@@ -273,6 +358,11 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         HParams,
         End,
         Request,
+        BatchInfo,
+        SaveCall,
+        Collectives,
+        DataParallelSeen,
+        Shutdown,
     )
 }
 
@@ -349,13 +439,35 @@ def _check(value: Any, hint: Any, where: str) -> None:
     raise SchemaError(f"{where}: unsupported type {hint}")  # pragma: no cover
 
 
+_INT_ONLY = frozenset({int})
+
+
+def _check_int_list(value: Any, where: str) -> None:
+    # The hot case (bucket arrays of every step message): checked at C speed.
+    if type(value) is not list:
+        raise SchemaError(f"{where}: expected list, got {type(value).__name__}")
+    if value:
+        if not set(map(type, value)) <= _INT_ONLY:
+            for i, v in enumerate(value):
+                _check(v, int, f"{where}[{i}]")
+        if min(value) < _I64_MIN or max(value) > _U64:
+            raise SchemaError(f"{where}: integer out of range")
+
+
+def _compile(hint: Any) -> Any:
+    """A checker for one field: the generic walk, or a fast path for hot shapes."""
+    if hint == list[int]:
+        return _check_int_list
+    return lambda value, where: _check(value, hint, where)
+
+
 class _Spec:
     __slots__ = ("cls", "fields", "required")
 
     def __init__(self, cls: type[Message]) -> None:
         hints = typing.get_type_hints(cls)
         self.cls = cls
-        self.fields = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+        self.fields = {f.name: _compile(hints[f.name]) for f in dataclasses.fields(cls)}
         self.required = frozenset(
             f.name
             for f in dataclasses.fields(cls)
@@ -401,10 +513,10 @@ def decode(buf: bytes) -> Message:
         raise SchemaError(f"{kind}: missing field(s) {', '.join(sorted(missing))}")
     kwargs = {}
     for name, value in body.items():
-        hint = spec.fields.get(name)
-        if hint is None:
+        check = spec.fields.get(name)
+        if check is None:
             continue  # a newer sender's extra field: ignore, stay compatible
-        _check(value, hint, f"{kind}.{name}")
+        check(value, f"{kind}.{name}")
         kwargs[name] = value
     if kwargs["rank"] < 0:
         raise SchemaError(f"{kind}.rank: negative rank {kwargs['rank']}")

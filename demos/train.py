@@ -10,6 +10,7 @@ DataLoader workers) and inject the faults ddpscope is built to find.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -58,17 +59,35 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-s", type=float, default=30.0)
     p.add_argument("--lr-rank", type=int, default=-1, help="this rank uses twice the lr")
     p.add_argument("--seed-per-rank", action="store_true", help="sampler seed = rank (overlap)")
+    p.add_argument("--save-all-ranks", action="store_true", help="every rank saves --checkpoint")
+    p.add_argument("--save-ddp-state", action="store_true", help="checkpoint model.state_dict()")
+    p.add_argument(
+        "--rank0-metric-allreduce", action="store_true", help="rank 0 alone all-reduces a metric"
+    )
+    p.add_argument("--rank0-barrier", action="store_true", help="rank 0 alone calls barrier()")
+    p.add_argument("--rank0-eval", action="store_true", help="rank 0 alone evaluates the DDP model")
+    p.add_argument("--dataparallel", action="store_true", help="nn.DataParallel inside DDP")
+    p.add_argument("--no-destroy", action="store_true", help="skip destroy_process_group()")
+    p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises ...")
+    p.add_argument("--raise-step", type=int, default=3, help="... at this step")
     # healthy patterns that must not raise findings
     p.add_argument("--peek", action="store_true", help="peek one batch each epoch")
     p.add_argument("--eval", action="store_true", help="evaluate on a loader each epoch")
     p.add_argument("--manual-shards", action="store_true", help="disjoint Subset per rank")
+    p.add_argument("--checkpoint", default="", help="rank 0 saves model.module each epoch here")
+    p.add_argument("--metric-allreduce", action="store_true", help="all-reduce a metric per epoch")
+    p.add_argument("--barrier", action="store_true", help="every rank calls barrier() per epoch")
+    p.add_argument("--batchnorm", action="store_true", help="BatchNorm1d after hidden layers")
+    p.add_argument("--pg-timeout-s", type=float, default=0.0, help="collective timeout, s")
     return p.parse_args(argv)
 
 
-def build_model(width: int, depth: int) -> nn.Module:
+def build_model(width: int, depth: int, batchnorm: bool = False) -> nn.Module:
     layers: list[nn.Module] = [nn.Linear(64, width), nn.ReLU()]
     for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+        layers += [nn.Linear(width, width)]
+        layers += [nn.BatchNorm1d(width)] if batchnorm else []
+        layers += [nn.ReLU()]
     layers += [nn.Linear(width, 10)]
     return nn.Sequential(*layers)
 
@@ -78,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_attach:
         import ddpscope  # imported early, as users do: comm hooks registered later get wrapped
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    timeout = datetime.timedelta(seconds=args.pg_timeout_s) if args.pg_timeout_s else None
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if device is not None:
@@ -103,8 +123,11 @@ def main(argv: list[str] | None = None) -> None:
         sampler = DistributedSampler(dataset, seed=seed)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
 
+    net = build_model(args.width, args.depth, args.batchnorm).to(device or "cpu")
+    if args.dataparallel:
+        net = nn.DataParallel(net)  # legacy single-process multi-GPU code left in a DDP job
     model = DDP(
-        build_model(args.width, args.depth).to(device or "cpu"),
+        net,
         device_ids=[device] if device is not None else None,
         bucket_cap_mb=args.bucket_mb,
     )
@@ -140,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     # other is still finishing makes gloo abort ("terminate called without an
     # active exception") in about half the runs here, ddpscope or not.
     dist.barrier()
-    dist.destroy_process_group()
+    if not args.no_destroy:
+        dist.destroy_process_group()
 
 
 def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: ignore[no-untyped-def]
@@ -177,7 +201,30 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             last = now
         if args.eval:
             _evaluate(model, loader.dataset, args.batch, device)
+        _epoch_end(args, rank, model, loss, epoch, loader.dataset, device)
     return step, loss, times
+
+
+def _epoch_end(  # type: ignore[no-untyped-def]
+    args, rank, model, loss, epoch, dataset, device
+) -> None:
+    """What scripts do between epochs: evaluate, log, checkpoint; some of it on rank 0 only."""
+    if args.rank0_eval and rank == 0:
+        # Evaluating the DDP model (not model.module) runs DDP's forward, which
+        # broadcasts buffers from rank 0: a collective the other ranks never join.
+        model.eval()
+        with torch.no_grad():
+            for xb, _ in DataLoader(dataset, batch_size=args.batch):
+                model(xb.to(device) if device is not None else xb)
+        model.train()
+    metric = loss.detach().reshape(1).clone()
+    if args.metric_allreduce or (args.rank0_metric_allreduce and rank == 0):
+        dist.all_reduce(metric)
+    if args.barrier or (args.rank0_barrier and rank == 0):
+        dist.barrier()
+    if args.checkpoint and (rank == 0 or args.save_all_ranks):
+        state = model.state_dict() if args.save_ddp_state else model.module.state_dict()
+        torch.save({"epoch": epoch, "model": state}, args.checkpoint)
 
 
 def _evaluate(model: nn.Module, dataset: Any, batch: int, device: Any) -> None:
@@ -211,6 +258,8 @@ def _inject(args: argparse.Namespace, rank: int, step: int, model: nn.Module) ->
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == args.hang_rank and step == args.hang_step:
         time.sleep(args.hang_s)
+    if rank == args.raise_rank and step == args.raise_step:
+        raise RuntimeError(f"injected failure on rank {rank} at step {step}")
 
 
 if __name__ == "__main__":

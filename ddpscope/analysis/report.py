@@ -33,13 +33,14 @@ from ddpscope.analysis.detectors.liveness import (
     error_line,
     ranks_text,
 )
+from ddpscope.analysis.detectors.recipe import prime_from_runs, training_setup
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
 from ddpscope.analysis.sources import merged, replay
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
-from ddpscope.schema import End, Heartbeat
+from ddpscope.schema import End, Heartbeat, RunInfo
 
 FORMAT = "ddpscope.report"
 VERSION = 1
@@ -94,6 +95,11 @@ def analyze(
 
         detectors = default_detectors()
     analysis = Analysis(configure(detectors, hang_after_s), history=None)
+    # The previous run of the same script, for the global_batch comparison.
+    script = next(
+        (m.script for ms in recording.messages.values() for m in ms if isinstance(m, RunInfo)), ""
+    )
+    prime_from_runs(analysis.detectors, runs, recording.run, script)
     replay(merged(recording), analysis)
     if not still_writing(recording):
         finish(analysis)
@@ -210,6 +216,7 @@ def run_summary(
         "status": "ended" if views and not open_ranks else "open",
         "open_ranks": open_ranks,
         "ended_ranks": sorted(ended),
+        "training": training_setup(run).to_json() if run is not None else None,
     }
 
 
@@ -424,10 +431,12 @@ def _header_lines(run: dict[str, Any]) -> list[str]:
         status = f"still being written: no end message from {who} yet (running or hung)"
     else:
         status = f"no end message from {who}, and nothing writes to it any more: killed"
+    training = (run.get("training") or {}).get("summary", "")
     return [
         f"ddpscope report: run {run['id']}",
         f"  {run['path']}",
         "  " + " · ".join(p for p in parts if p),
+        *([f"  training: {training}"] if training else []),
         f"  status: {status}",
     ]
 

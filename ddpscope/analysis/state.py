@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.schema import (
+    BatchInfo,
     BucketLayout,
+    Collectives,
+    DataParallelSeen,
     End,
     Fingerprint,
     Heartbeat,
@@ -27,6 +30,8 @@ from ddpscope.schema import (
     RunInfo,
     SamplerPass,
     SamplerPassEnd,
+    SaveCall,
+    Shutdown,
     Stacks,
     Step,
 )
@@ -37,6 +42,10 @@ MAX_WORLD = 1 << 16
 MAX_FINGERPRINTS = 64
 #: Sampler passes kept per rank in live mode.
 MAX_PASSES = 256
+#: Checkpoint writes, collective snapshots and DataParallel sightings kept per rank live.
+MAX_SAVES = 256
+MAX_COLLECTIVES = 64
+MAX_DATAPARALLEL = 16
 
 
 @dataclass
@@ -59,6 +68,15 @@ class RankView:
     passes: dict[tuple[int, int], PassView] = field(default_factory=dict)
     stacks: Stacks | None = None
     end: End | None = None
+    #: Model 0's per-rank batch and BatchNorm layers (the latest report).
+    batch: BatchInfo | None = None
+    #: torch.save calls (the first per path), in arrival order.
+    saves: list[SaveCall] = field(default_factory=list)
+    #: Collective counts by snapshot step, and the one taken at shutdown.
+    collectives: dict[int, Collectives] = field(default_factory=dict)
+    collectives_final: Collectives | None = None
+    dataparallel: list[DataParallelSeen] = field(default_factory=list)
+    shutdown: Shutdown | None = None
     #: Analysis-clock time of the last message, and of the last step.
     last_rx_ns: int = 0
     last_step_rx_ns: int = 0
@@ -210,7 +228,8 @@ class RunState:
             while len(steps) > self.history:
                 steps.popleft()
             floor = msg.step - self.history
-            if len(self.by_step) > self.history + 64:
+            # Trim in batches (a quarter of the history) rather than every step.
+            if len(self.by_step) > self.history + max(8, self.history // 4):
                 for s in [s for s in self.by_step if s < floor]:
                     del self.by_step[s]
         return True
@@ -258,6 +277,35 @@ class RunState:
         view.end = msg
         return True
 
+    def _on_batch(self, view: RankView, msg: BatchInfo, rx_ns: int) -> bool:
+        if msg.model == 0 or view.batch is None:
+            view.batch = msg
+        return True
+
+    def _on_save(self, view: RankView, msg: SaveCall, rx_ns: int) -> bool:
+        view.saves.append(msg)
+        if self.history is not None and len(view.saves) > MAX_SAVES:
+            del view.saves[0]
+        return True
+
+    def _on_collectives(self, view: RankView, msg: Collectives, rx_ns: int) -> bool:
+        if msg.final:
+            view.collectives_final = msg
+            return True
+        view.collectives[msg.step] = msg
+        if self.history is not None and len(view.collectives) > MAX_COLLECTIVES:
+            del view.collectives[min(view.collectives)]
+        return True
+
+    def _on_dataparallel(self, view: RankView, msg: DataParallelSeen, rx_ns: int) -> bool:
+        if len(view.dataparallel) < MAX_DATAPARALLEL or self.history is None:
+            view.dataparallel.append(msg)
+        return True
+
+    def _on_shutdown(self, view: RankView, msg: Shutdown, rx_ns: int) -> bool:
+        view.shutdown = msg
+        return True
+
 
 _HANDLERS: dict[type, Any] = {
     RunInfo: RunState._on_run_info,
@@ -270,4 +318,9 @@ _HANDLERS: dict[type, Any] = {
     SamplerPassEnd: RunState._on_pass_end,
     Stacks: RunState._on_stacks,
     End: RunState._on_end,
+    BatchInfo: RunState._on_batch,
+    SaveCall: RunState._on_save,
+    Collectives: RunState._on_collectives,
+    DataParallelSeen: RunState._on_dataparallel,
+    Shutdown: RunState._on_shutdown,
 }

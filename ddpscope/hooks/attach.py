@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 
 from ddpscope import config
 from ddpscope.config import ConfigError, Options
-from ddpscope.hooks import comm, runinfo
+from ddpscope.hooks import comm, recipe, runinfo
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
@@ -90,6 +90,12 @@ class _Process:
             training=self._training,
         )
         self.sampler_probe.install()
+        self.recipe = recipe.RecipeProbe(
+            post=lambda kind, fields: self.publisher.post(kind, 0, fields),
+            post_model=self.publisher.post,
+            current_step=lambda: self.publisher.state.step,
+        )
+        self.recipe.install()
         self._opt_hooks = [
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_optimizer_step_post_hook(self._optimizer_post),
@@ -170,6 +176,7 @@ class _Process:
                 pass
             for hook in self._opt_hooks:
                 hook.remove()
+            self.recipe.finish()
             self.publisher.close(reason, error)
         finally:
             self._finishing = False
@@ -216,12 +223,19 @@ class Handle:
             sampler_state=lambda: (proc.sampler_probe.last_epoch, proc.sampler_probe.last_pass),
         )
         self._info = runinfo.run_info_fields(model, opts, proc.started_wall_ns)
+        extra = proc.recipe.guard(
+            recipe.run_info_fields, model, self._info["local_rank"], self._info["local_world_size"]
+        )
+        self._info.update(extra or {})
+        watch = proc.recipe.add_model(model, index)
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
         self._hparams_step = 0
         self._hooks = [
             model.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
             model.register_forward_hook(self._guarded(self.tracker.forward_post)),
+            # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
+            model.register_forward_pre_hook(watch.forward_pre, with_kwargs=True),
         ]
         self.comm = comm.wrap(model)
         if self.comm is not None:
@@ -294,6 +308,7 @@ class Handle:
         return out
 
     def _on_step_end(self, step: int) -> None:
+        self._proc.recipe.guard(self._proc.recipe.on_step_end, step)
         opts = list(self.tracker.optimizers.values())
         key = hparams_key(opts)
         if opts and key != self._hparams_key:

@@ -9,6 +9,7 @@ def default_detectors() -> list[Detector]:
     from ddpscope.analysis.detectors.desync import DesyncDetector
     from ddpscope.analysis.detectors.hparams import HyperparamDetector
     from ddpscope.analysis.detectors.liveness import HangDetector, RankExitDetector
+    from ddpscope.analysis.detectors.recipe import recipe_detectors
     from ddpscope.analysis.detectors.sampling import (
         SetEpochDetector,
         ShardingDetector,
@@ -27,4 +28,6 @@ def default_detectors() -> list[Detector]:
         HangDetector(),
         RankExitDetector(),
         TelemetryDetector(),
+        # After the hang detector: a collective mismatch names the pattern of its hang.
+        *recipe_detectors(),
     ]

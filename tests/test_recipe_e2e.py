@@ -1,0 +1,267 @@
+"""Recipe checks on real torchrun jobs (gloo, 2 ranks, demos/train.py): each fault flag is
+named in the report, and the healthy way of doing the same things raises nothing.
+
+Jobs record with DDPSCOPE_RECORD and are read back with the report's own analysis
+(``report.analyze`` and ``report.build``: every default detector). Jobs that hang run with
+a 10 s collective timeout so that they end by themselves.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DEMO, job_env, torchrun
+
+from ddpscope.analysis import report
+from ddpscope.record import find_runs, open_run
+from ddpscope.schema import Collectives
+
+pytestmark = pytest.mark.torchrun
+
+SAMPLES = ["--samples", "256"]
+RECIPE_KINDS = {
+    "global_batch",
+    "checkpoint_all_ranks",
+    "rank0_only_collective",
+    "dataparallel",
+    "batchnorm_small_batch",
+    "no_destroy_process_group",
+    "device_mismatch",
+}
+
+
+def run_job(
+    rec: Path, endpoint: str, *flags: str, nproc: int = 2, check: bool = True, **env: str
+) -> None:
+    torchrun(
+        [str(DEMO), *SAMPLES, *flags],
+        nproc=nproc,
+        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint, **env),
+        check=check,
+    )
+
+
+def report_of(rec: Path, run_id: str | None = None, hang_after_s: float | None = None) -> Any:
+    doc = report.build(*report.analyze(str(rec), run_id=run_id, hang_after_s=hang_after_s))
+    assert doc["problems"] == [], doc["problems"]
+    return doc
+
+
+def of_kind(doc: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if f["kind"] == kind]
+
+
+def serious(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if f["severity"] in ("warning", "error")]
+
+
+def show(findings: list[dict[str, Any]]) -> str:
+    return json.dumps([(f["kind"], f["severity"], f["message"]) for f in findings], indent=1)
+
+
+# --- the healthy recipe ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    # Everything done right: rank 0 saves model.module's weights, every rank all-reduces
+    # the metric, meets at the barrier and evaluates the BatchNorm model, 32 per rank.
+    tmp = tmp_path_factory.mktemp("healthy")
+    rec = tmp / "rec"
+    flags = ["--epochs", "2", "--checkpoint", str(tmp / "ck.pt"), "--metric-allreduce"]
+    run_job(rec, f"ipc://{tmp}/s", *flags, "--barrier", "--eval", "--batchnorm")
+    return rec, report_of(rec)
+
+
+def test_the_healthy_recipe_raises_no_recipe_finding(healthy: Any) -> None:
+    _, doc = healthy
+    recipe = [f for f in doc["findings"] if f["kind"] in RECIPE_KINDS]
+    assert recipe == [], show(recipe)
+    assert serious(doc) == [], show(serious(doc))
+
+
+def test_the_report_header_shows_the_global_batch_and_lr(healthy: Any) -> None:
+    _, doc = healthy
+    training = doc["run"]["training"]
+    assert training["global_batch"] == 64 and training["per_rank_batch"] == 32
+    assert training["accumulation"] == 1 and training["exact"] and training["lr"] == 0.05
+    text = report.render_text(doc)
+    assert "  training: global batch 64 = 32 per rank x 2 ranks · lr 0.05\n" in text
+
+
+def test_collective_counts_are_recorded_at_the_same_steps_and_agree(healthy: Any) -> None:
+    rec, _ = healthy
+    msgs = open_run(str(rec)).messages
+
+    def totals(rank: int) -> dict[tuple[int, bool], dict[str, int]]:
+        out: dict[tuple[int, bool], dict[str, int]] = {}
+        for m in msgs[rank]:
+            if isinstance(m, Collectives):
+                per_op = out.setdefault((m.step, m.final), {})
+                for op, n in zip(m.ops, m.counts, strict=True):
+                    per_op[op] = per_op.get(op, 0) + n
+        return out
+
+    ranks = [totals(0), totals(1)]
+    assert ranks[0] == ranks[1]
+    assert sorted(ranks[0]) == [(1, False), (2, False), (4, False), (8, False), (8, True)]
+    # Two epochs: 2 metric all-reduces, 2 barriers (+ the demo's one before teardown), and
+    # DDP's buffer broadcasts: the first forward of each evaluation loop, and the 8 training
+    # forwards but the one right after the first evaluation, which DDP skips.
+    assert ranks[0][(8, True)] == {"all_reduce": 2, "barrier": 3, "ddp_buffers": 2 + 7}
+
+
+# --- misconfigured, but running to the end --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def misconfigured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # Independent faults in one job: every rank writes one checkpoint path with the DDP
+    # wrapper's keys, DataParallel inside DDP, 8 samples per rank through BatchNorm, and
+    # no destroy_process_group() at the end.
+    tmp = tmp_path_factory.mktemp("misconfigured")
+    rec = tmp / "rec"
+    flags = ["--epochs", "1", "--checkpoint", str(tmp / "ck.pt"), "--save-all-ranks"]
+    flags += ["--save-ddp-state", "--dataparallel", "--batchnorm", "--batch", "8", "--no-destroy"]
+    run_job(rec, f"ipc://{tmp}/s", *flags)
+    doc: dict[str, Any] = report_of(rec)
+    doc["checkpoint"] = str(tmp / "ck.pt")
+    return doc
+
+
+def test_every_rank_writing_one_checkpoint_path_is_a_warning(misconfigured: Any) -> None:
+    (f,) = [f for f in of_kind(misconfigured, "checkpoint_all_ranks") if "path" in f["evidence"]]
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1]
+    assert f["evidence"]["path"] == misconfigured["checkpoint"]
+    assert all("train.py" in s and "_epoch_end" in s for s in f["evidence"]["sites"].values())
+
+
+def test_saving_the_ddp_wrappers_state_dict_is_a_warning(misconfigured: Any) -> None:
+    (f,) = [f for f in of_kind(misconfigured, "checkpoint_all_ranks") if "what" in f["evidence"]]
+    assert f["evidence"] == {**f["evidence"], "what": "ddp_state_dict", "key": "model"}
+    assert "'module.' prefix" in f["message"] and f["severity"] == "warning"
+
+
+def test_dataparallel_inside_ddp_is_a_warning(misconfigured: Any) -> None:
+    (f,) = of_kind(misconfigured, "dataparallel")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1] and f["evidence"]["inside_ddp"]
+
+
+def test_batchnorm_on_8_samples_per_rank_is_info_and_never_more(misconfigured: Any) -> None:
+    (f,) = of_kind(misconfigured, "batchnorm_small_batch")
+    assert f["severity"] == "info" and f["ranks"] == [0, 1]
+    assert f["evidence"]["per_rank_batch"] == {"0": 8, "1": 8}
+    assert f["evidence"]["batchnorm_layers"] == 4
+
+
+def test_exiting_without_destroy_process_group_is_info(misconfigured: Any) -> None:
+    (f,) = of_kind(misconfigured, "no_destroy_process_group")
+    assert f["severity"] == "info" and f["ranks"] == [0, 1]
+
+
+def test_nothing_but_the_injected_faults_is_reported(misconfigured: Any) -> None:
+    kinds = sorted(f["kind"] for f in misconfigured["findings"])
+    assert kinds == [
+        "batchnorm_small_batch",
+        "checkpoint_all_ranks",
+        "checkpoint_all_ranks",
+        "dataparallel",
+        "no_destroy_process_group",
+    ], show(misconfigured["findings"])
+
+
+def test_a_large_per_rank_batch_through_batchnorm_is_healthy(tmp_path: Path, endpoint: str) -> None:
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--epochs", "1", "--batchnorm", "--batch", "64")
+    doc = report_of(rec)
+    assert doc["findings"] == [], show(doc["findings"])
+
+
+# --- collectives on rank 0 only ----------------------------------------------------------------
+
+
+def test_a_barrier_on_rank0_only_is_named_with_its_call_site(tmp_path: Path, endpoint: str) -> None:
+    # Rank 0 waits in a barrier after epoch 0 while rank 1 trains on into the all-reduce of
+    # its next step: a hang until the 10 s collective timeout.
+    rec = tmp_path / "rec"
+    run_job(
+        rec, endpoint, "--epochs", "2", "--rank0-barrier", "--pg-timeout-s", "10",
+        check=False, DDPSCOPE_STACKS_AFTER_S="2",
+    )  # fmt: skip
+    doc = report_of(rec, hang_after_s=4)
+    (f,) = of_kind(doc, "rank0_only_collective")
+    assert f["severity"] == "error" and f["ranks"] == [0] and f["step"] == 4
+    assert f["evidence"]["op"] == "barrier"
+    barrier_line = _line_after("args.rank0_barrier and rank == 0")
+    assert f["evidence"]["sites"]["0"] == [f"{DEMO}:{barrier_line} in _epoch_end"]
+    assert "rank 1 is waiting in all-reduce" in f["message"]
+    assert "the pattern behind the hang" in f["message"]
+    assert of_kind(doc, "hang"), "the hang detector saw the same stall"
+
+
+def test_evaluating_the_ddp_model_on_rank0_only_is_named(tmp_path: Path, endpoint: str) -> None:
+    # After the last step rank 0 alone runs the BatchNorm model's DDP forward, which
+    # broadcasts buffers; rank 1 meets the demo's teardown barrier instead.
+    rec = tmp_path / "rec"
+    run_job(
+        rec, endpoint, "--epochs", "1", "--rank0-eval", "--batchnorm", "--pg-timeout-s", "10",
+        check=False, DDPSCOPE_STACKS_AFTER_S="2",
+    )  # fmt: skip
+    doc = report_of(rec)
+    (f,) = of_kind(doc, "rank0_only_collective")
+    blocked = f["evidence"]["blocked"]
+    assert blocked["0"]["op"] == "ddp_buffers" and "_epoch_end" in blocked["0"]["at"]
+    assert blocked["1"]["op"] == "barrier"
+    assert "a forward of the DDP model (which broadcasts its buffers from rank 0)" in f["message"]
+
+
+def _line_after(text: str) -> int:
+    """Number of the line after the one of demos/train.py that contains ``text``."""
+    lines = DEMO.read_text().splitlines()
+    return next(i for i, ln in enumerate(lines, 1) if text in ln) + 1
+
+
+# --- runs of one script with different world sizes ----------------------------------------------
+
+
+def test_a_world_size_change_with_the_same_lr_is_info(tmp_path: Path, endpoint: str) -> None:
+    # Three runs of the demo with gradient accumulation (no_sync, 2 micro-batches per
+    # step): on 2 ranks, then 1, then 1 again.
+    rec = tmp_path / "rec"
+    for nproc in (2, 1, 1):
+        run_job(rec, endpoint, "--epochs", "1", "--accum", "2", nproc=nproc)
+    runs = [r.run_id for r in find_runs(str(rec))]
+    first = report_of(rec, run_id=runs[0])
+    assert first["run"]["training"]["summary"] == (
+        "global batch 128 = 32 per rank x 2 ranks x 2 accumulation steps · lr 0.05"
+    )
+    assert of_kind(first, "global_batch") == []  # nothing earlier to compare with
+    changed = report_of(rec, run_id=runs[1])
+    (f,) = of_kind(changed, "global_batch")
+    assert f["severity"] == "info" and f["evidence"]["previous_run"] == runs[0]
+    assert f["evidence"]["previous"]["global_batch"] == 128
+    assert f["evidence"]["current"]["global_batch"] == 64
+    assert "from 2 to 1 ranks" in f["message"] and "stayed 0.05" in f["message"]
+    same = report_of(rec)  # the third run: the same world size as the second
+    assert same["findings"] == [], show(same["findings"])
+
+
+# --- a rank that raises while the other waits ---------------------------------------------------
+
+
+def test_an_exception_while_the_other_rank_waits_is_reported_with_its_traceback(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--epochs", "1", "--raise-rank", "1", "--raise-step", "2", check=False)
+    doc = report_of(rec)
+    (f,) = of_kind(doc, "rank_exit")
+    assert f["severity"] == "error" and f["ranks"] == [1]
+    trace = f["evidence"]["stopped"]["1"]["error"]
+    assert trace.startswith("Traceback") and "in _inject" in trace
+    assert "RuntimeError: injected failure on rank 1 at step 2" in trace
+    # Its process group died with it: rank_exit says so, no_destroy_process_group does not.
+    assert of_kind(doc, "no_destroy_process_group") == []
