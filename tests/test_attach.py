@@ -180,3 +180,17 @@ def test_sigterm_is_recorded_and_still_terminates(tmp_path: Path) -> None:
     assert proc.returncode == -15  # the default action still happens
     ends = [m for m in open_run(str(tmp_path / "rec")).messages[0] if isinstance(m, End)]
     assert [(e.reason, e.error) for e in ends] == [("signal", "SIGTERM")]
+
+
+def test_an_attached_ddp_model_can_still_be_pickled(fresh_process: Path) -> None:
+    import io
+
+    model = _ddp()
+    ddpscope.attach(model)
+    _train(model, 2)
+    buf = io.BytesIO()
+    torch.save(model, buf)  # must not fail on ddpscope's hooks
+    buf.seek(0)
+    copy = torch.load(buf, weights_only=False)
+    assert getattr(copy, "_ddpscope_comm", None) is None  # the copy is not wrapped
+    copy(torch.randn(4, 8))  # the inert hooks it carries do nothing

@@ -168,7 +168,9 @@ class _Process:
             sys.excepthook = self._excepthook
         try:
             for h in self.handles:
-                h.finish()
+                # A rank leaving on an exception or a signal may be mid-step:
+                # its weights are not comparable, so no final fingerprint.
+                h.finish(clean=reason in ("exit", "close"))
             try:
                 self.sampler_probe.flush()
                 self.sampler_probe.uninstall()
@@ -235,7 +237,7 @@ class Handle:
             model.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
             model.register_forward_hook(self._guarded(self.tracker.forward_post)),
             # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
-            model.register_forward_pre_hook(watch.forward_pre, with_kwargs=True),
+            model.register_forward_pre_hook(self._guarded(watch.forward_pre), with_kwargs=True),
         ]
         self.comm = comm.wrap(model)
         if self.comm is not None:
@@ -269,16 +271,8 @@ class Handle:
 
     # --- internals -----------------------------------------------------------
 
-    def _guarded(self, fn: Callable[..., None]) -> Callable[..., None]:
-        tracker = self.tracker
-
-        def hook(*args: Any) -> None:
-            try:
-                fn(*args)
-            except Exception as exc:
-                tracker.fail(exc)
-
-        return hook
+    def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
+        return _ModuleHook(fn, self.tracker.fail)
 
     def guard(self, fn: Callable[..., Any], *args: Any) -> bool:
         try:
@@ -329,15 +323,47 @@ class Handle:
             self.fingerprinter.discard_oldest()
         return fields
 
-    def finish(self) -> None:
+    def finish(self, clean: bool = True) -> None:
         if not self.tracker.enabled:
             return
         self.guard(self.tracker.flush)
-        if self.fingerprinter.every != -1:
+        if clean and self.fingerprinter.every != -1:
             self._fingerprint(self.step, "final")
         for h in self._hooks:
             h.remove()
         self.tracker.enabled = False
+
+
+def _noop_hook(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return _noop_hook
+
+
+class _ModuleHook:
+    """A hook ddpscope put on the user's model. Errors disable ddpscope, never training.
+
+    ``torch.save(ddp_model)`` pickles the module with its hook dicts: the hook
+    pickles as a no-op, so saving works and the copy carries no live probe.
+    """
+
+    __slots__ = ("fn", "on_error")
+
+    def __init__(self, fn: Callable[..., Any], on_error: Callable[[BaseException], None]):
+        self.fn = fn
+        self.on_error = on_error
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.fn(*args, **kwargs)
+        except Exception as exc:
+            self.on_error(exc)
+            return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_inert, ())
 
 
 class InertHandle:

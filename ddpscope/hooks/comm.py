@@ -25,6 +25,11 @@ log = logging.getLogger("ddpscope")
 
 _STATE_ATTR = "_ddpscope_comm"
 _original_register = DistributedDataParallel.register_comm_hook
+_original_builtin = DistributedDataParallel._register_builtin_comm_hook
+
+
+def _none() -> None:
+    return None
 
 
 class HookState:
@@ -41,6 +46,11 @@ class HookState:
         # all-reduce: the wrapper then issues it itself, skipping the Python
         # layers of dist.all_reduce and a second chained Future.
         self.direct: tuple[Any, int] | None = (inner_state, inner_state.size())
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        # Pickling the DDP model (torch.save(ddp_model)): the copy gets a fresh
+        # reducer without this wrapper, so it must not believe it is wrapped.
+        return (_none, ())
 
 
 def _bucket_done(ends, pos, stamp, fut):
@@ -81,38 +91,26 @@ _BUILTIN = {
 }
 
 
-def _reroute(model: Any, hs: HookState) -> None:
-    """Send the instance's later registrations into the wrapper."""
-
-    def register_comm_hook(state: object, hook: Any) -> None:
-        if hs.user_registered:
-            raise RuntimeError(
-                "register_comm_hook or register_builtin_comm_hook can only be called once."
-            )
-        model._check_comm_hook(hook)
-        hs.inner, hs.inner_state, hs.user_registered = hook, state, True
-        hs.direct = None
-        model._comm_hooks.append((hook, state))
-        if getattr(model, "logger", None) is not None:
-            model.logger._set_comm_hook_name(getattr(hook, "__qualname__", str(hook)))
-
-    def register_builtin(comm_hook_type: Any) -> None:
-        name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]
-        hook = _BUILTIN.get(name)
-        if hook is None:
-            raise RuntimeError(f"ddpscope cannot wrap builtin comm hook {comm_hook_type}")
-        register_comm_hook(model.process_group, hook)
-
-    model.register_comm_hook = register_comm_hook
-    model._register_builtin_comm_hook = register_builtin
+def _route(model: Any, hs: HookState, state: object, hook: Any) -> None:
+    """A user's registration on a wrapped model: their hook goes inside the wrapper."""
+    if hs.user_registered:
+        raise RuntimeError(
+            "register_comm_hook or register_builtin_comm_hook can only be called once."
+        )
+    model._check_comm_hook(hook)
+    hs.inner, hs.inner_state, hs.user_registered = hook, state, True
+    hs.direct = None
+    model._comm_hooks.append((hook, state))
+    if getattr(model, "logger", None) is not None:
+        model.logger._set_comm_hook_name(getattr(hook, "__qualname__", str(hook)))
 
 
 def _register(model: Any) -> HookState:
+    install_class_shim()  # later registrations on this model are routed by the class
     hs = HookState(default_hooks.allreduce_hook, model.process_group)
     _original_register(model, hs, timed_hook)
     model._comm_hooks.pop()  # keep DDP's list to what the user registered
     setattr(model, _STATE_ATTR, hs)
-    _reroute(model, hs)
     return hs
 
 
@@ -134,26 +132,41 @@ def wrap(model: Any) -> HookState | None:
     return _register(model)
 
 
-def _early_register(self: Any, state: object, hook: Any) -> None:
-    # A registration before attach: slot the wrapper in now, with the user's
-    # hook inside, so that attach finds it ready.
+def _class_register(self: Any, state: object, hook: Any) -> None:
+    # Class-level (not per-instance closures, which would make the model
+    # unpicklable): a registration before attach slots the wrapper in now,
+    # with the user's hook inside, so that attach finds it ready.
     hs = getattr(self, _STATE_ATTR, None)
     if hs is None and not getattr(self, "_comm_hooks", None):
         hs = _register(self)
     if hs is None:
         _original_register(self, state, hook)
         return
-    self.register_comm_hook(state, hook)
+    _route(self, hs, state, hook)
+
+
+def _class_register_builtin(self: Any, comm_hook_type: Any) -> None:
+    hs = getattr(self, _STATE_ATTR, None)
+    if hs is None:
+        _original_builtin(self, comm_hook_type)
+        return
+    name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]
+    hook = _BUILTIN.get(name)
+    if hook is None:
+        raise RuntimeError(f"ddpscope cannot wrap builtin comm hook {comm_hook_type}")
+    _route(self, hs, self.process_group, hook)
 
 
 def install_class_shim() -> None:
-    """Catch registrations made before attach (idempotent)."""
-    if DistributedDataParallel.register_comm_hook is not _early_register:
-        DistributedDataParallel.register_comm_hook = _early_register  # type: ignore[method-assign]
+    """Route comm-hook registrations through ddpscope's wrapper (idempotent)."""
+    if DistributedDataParallel.register_comm_hook is not _class_register:
+        DistributedDataParallel.register_comm_hook = _class_register  # type: ignore[method-assign]
+        DistributedDataParallel._register_builtin_comm_hook = _class_register_builtin  # type: ignore[method-assign]
 
 
 def uninstall_class_shim() -> None:
     DistributedDataParallel.register_comm_hook = _original_register  # type: ignore[method-assign]
+    DistributedDataParallel._register_builtin_comm_hook = _original_builtin  # type: ignore[method-assign]
 
 
 __all__ = ["HookState", "install_class_shim", "timed_hook", "uninstall_class_shim", "wrap"]
