@@ -55,30 +55,10 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 import ddpscope
+from ddpscope.schema import COLLECTIVE_OPS
 
 log = logging.getLogger("ddpscope")
 
-#: Collectives counted when called from the script (point-to-point ops are left out:
-#: send/recv are asymmetric by design).
-COLLECTIVE_OPS = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_object",
-    "all_to_all",
-    "all_to_all_single",
-    "barrier",
-    "monitored_barrier",
-    "broadcast",
-    "broadcast_object_list",
-    "gather",
-    "gather_object",
-    "reduce",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "scatter",
-    "scatter_object_list",
-)
 #: Op name for a DDP forward that broadcasts the module's buffers.
 DDP_BUFFERS = "ddp_buffers"
 #: Site of DDP forwards run for training (the frame walk is spared on the hot path).

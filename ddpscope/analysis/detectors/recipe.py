@@ -81,6 +81,7 @@ from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.record.reader import RunDir
 from ddpscope.schema import (
+    COLLECTIVE_OPS,
     BatchInfo,
     Collectives,
     DataParallelSeen,
@@ -113,28 +114,7 @@ _INTERNAL_MARKERS = ("/torch/", "\\torch\\", "/ddpscope/hooks/", "\\ddpscope\\ho
 _DDP_BUFFER_FUNCS = frozenset(
     {"_sync_buffers", "_sync_module_buffers", "_default_broadcast_coalesced", "_find_common_rank"}
 )
-#: Collectives a script calls (hooks.recipe.COLLECTIVE_OPS; copied: no torch import here).
-COLLECTIVE_OPS = frozenset(
-    {
-        "all_reduce",
-        "all_gather",
-        "all_gather_into_tensor",
-        "all_gather_object",
-        "all_to_all",
-        "all_to_all_single",
-        "barrier",
-        "monitored_barrier",
-        "broadcast",
-        "broadcast_object_list",
-        "gather",
-        "gather_object",
-        "reduce",
-        "reduce_scatter",
-        "reduce_scatter_tensor",
-        "scatter",
-        "scatter_object_list",
-    }
-)
+_COLLECTIVES = frozenset(COLLECTIVE_OPS)
 
 
 def _plural(ranks: Iterable[int]) -> str:
@@ -543,7 +523,7 @@ def blocked_in(frames: list[Any]) -> tuple[str, str] | None:
     op = ""
     while i >= 0 and _internal_frame(str(rows[i][0])):
         path, func = str(rows[i][0]).replace("\\", "/"), str(rows[i][2])
-        if path.endswith("torch/distributed/distributed_c10d.py") and func in COLLECTIVE_OPS:
+        if path.endswith("torch/distributed/distributed_c10d.py") and func in _COLLECTIVES:
             op = func  # keep going outwards: the outermost is the one the script called
         elif path.endswith("torch/nn/parallel/distributed.py") and func in _DDP_BUFFER_FUNCS:
             op = DDP_BUFFERS
