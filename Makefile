@@ -3,7 +3,7 @@
 #   make test   - the test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 NPROC ?= 2
 RUNS ?= runs
 
@@ -11,11 +11,12 @@ RUNS ?= runs
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch==2.13.0 is the CPU wheel this machine keeps on disk; an unpinned
-	# torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	# torch would pull a multi-GB CUDA build. numpy is torch's, not ours: torch
+	# warns without it and all_gather_object needs it.
+	$(PY) -m pip install -q torch==2.13.0 numpy
 	$(PY) -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*
 	touch $@
