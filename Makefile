@@ -21,11 +21,13 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The demo job has a straggler on purpose (rank 1 sleeps 40 ms a step), so
+# that the watcher has something to find; on a terminal the UI opens beside it.
 demo: $(STAMP)
 	$(PY) -m ddpscope run --record $(RUNS) -- \
 		$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) \
-		demos/train.py --epochs 3
-	$(PY) -m ddpscope dump $(RUNS)
+		demos/train.py --epochs 8 --slow-rank 1 --slow-ms 40
+	$(PY) -m ddpscope report $(RUNS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -390,5 +390,5 @@ def test_the_analysis_side_knows_the_same_operations_as_the_probe() -> None:
     # The analysis cannot import the probe (no torch there): both read the schema's list.
     from ddpscope.analysis.detectors import recipe as judged
 
-    assert judged._COLLECTIVES == frozenset(recipe.COLLECTIVE_OPS)
+    assert frozenset(recipe.COLLECTIVE_OPS) == judged._COLLECTIVES
     assert judged.DDP_BUFFERS == recipe.DDP_BUFFERS
