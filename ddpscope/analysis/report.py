@@ -34,6 +34,7 @@ from ddpscope.analysis.detectors.liveness import (
     ranks_text,
 )
 from ddpscope.analysis.detectors.recipe import prime_from_runs, training_setup
+from ddpscope.analysis.detectors.straggler import bucket_waits
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
@@ -305,12 +306,13 @@ def _end(end: End | None) -> dict[str, Any] | None:
 
 
 def allreduce_waits(run: RunState) -> dict[int, float]:
-    """Median per step of sum over buckets of (own duration - fastest rank's duration), in ms.
+    """Median per step of how long each rank waited at the all-reduce for the others, in ms.
 
-    The fastest rank's duration of a bucket is its transfer time; the rest of
-    a rank's duration is time spent waiting for the others to launch it
-    (design notes, section 4). No clock alignment is needed. Steps every rank
-    reported are used; a sample of them on big runs.
+    Per step, the straggler detector's rule (design notes, section 4): a
+    bucket's transfer time is its shortest duration over ranks; the rest of a
+    rank's duration is waiting. Buckets in flight together wait for the same
+    late rank, so a rank's wait is its largest bucket wait, not their sum.
+    Steps every rank reported are used; a sample of them on big runs.
     """
     steps = [s for s in sorted(run.by_step) if len(run.by_step[s]) == len(run.ranks) > 1]
     if not steps:
@@ -323,17 +325,8 @@ def allreduce_waits(run: RunState) -> dict[int, float]:
         steps = [steps[int(i * stride)] for i in range(keep)]
     per_rank: dict[int, list[int]] = {}
     for s in steps:
-        row = run.by_step[s]
-        fastest: dict[tuple[int, int], int] = {}
-        for st in row.values():
-            for k, d in zip(st.b_index, st.b_dur_ns, strict=False):
-                key = (st.layout, k)
-                if d < fastest.get(key, 1 << 62):
-                    fastest[key] = d
-        for r, st in row.items():
-            wait = sum(
-                d - fastest[(st.layout, k)] for k, d in zip(st.b_index, st.b_dur_ns, strict=False)
-            )
+        waits = bucket_waits(run.by_step[s])
+        for r, wait in (waits or {}).items():
             per_rank.setdefault(r, []).append(wait)
     return {r: round(statistics.median(w) / MS, 3) for r, w in per_rank.items()}
 
