@@ -56,6 +56,7 @@ from synth import (  # noqa: E402
 from ddpscope.analysis.detectors import default_detectors  # noqa: E402
 from ddpscope.analysis.detectors.liveness import HangDetector  # noqa: E402
 from ddpscope.analysis.engine import Analysis  # noqa: E402
+from ddpscope.analysis.sources import replay  # noqa: E402
 from ddpscope.schema import Message, SamplerPass, SamplerPassEnd, Step  # noqa: E402
 
 S = 1_000_000_000
@@ -113,22 +114,8 @@ def numbered(msgs: Iterable[Message]) -> Iterator[Message]:
 def feed(
     analysis: Analysis, msgs: Iterable[Message], on_tick: Callable[[int], None] | None = None
 ) -> Analysis:
-    """As ``sources.replay``: the analysis clock is the stream's; ticks every 250 ms."""
-    next_tick = None
-    last = 0
-    for m in msgs:
-        t = m.t
-        if next_tick is None:
-            next_tick = t + TICK_NS
-        while t >= next_tick:
-            analysis.tick(next_tick)
-            if on_tick is not None:
-                on_tick(next_tick)
-            next_tick += TICK_NS
-        analysis.feed(m, t)
-        last = max(last, t)
-    analysis.tick(last)
-    return analysis
+    """As ``sources.replay`` does: the analysis clock is the stream's; ticks every 250 ms."""
+    return replay(msgs, analysis, TICK_NS, on_tick)
 
 
 # --- ingest rate -------------------------------------------------------------------

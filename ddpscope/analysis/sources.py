@@ -8,7 +8,7 @@ have raised at that moment.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.record import Recording, open_run
@@ -26,8 +26,16 @@ def merged(recording: Recording) -> Iterator[Message]:
     return heapq.merge(*streams, key=lambda m: m.t)
 
 
-def replay(messages: Iterable[Message], analysis: Analysis, tick_ns: int = TICK_NS) -> Analysis:
-    """Feed recorded messages as if live: the analysis clock is the sender's clock."""
+def replay(
+    messages: Iterable[Message],
+    analysis: Analysis,
+    tick_ns: int = TICK_NS,
+    on_tick: Callable[[int], None] | None = None,
+) -> Analysis:
+    """Feed recorded messages as if live: the analysis clock is the sender's clock.
+
+    ``on_tick`` is called after each tick (benchmarks time detection with it).
+    """
     next_tick = None
     last = 0
     for msg in messages:
@@ -36,6 +44,8 @@ def replay(messages: Iterable[Message], analysis: Analysis, tick_ns: int = TICK_
             next_tick = t + tick_ns
         while t >= next_tick:
             analysis.tick(next_tick)
+            if on_tick is not None:
+                on_tick(next_tick)
             next_tick += tick_ns
         analysis.feed(msg, t)
         last = max(last, t)
