@@ -157,12 +157,12 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(model._get_ddp_logging_data(), f, default=str)
     if args.save and rank == 0:
         torch.save(model.module.state_dict(), args.save)
-    if rank == 0:
-        print(f"done: {step} steps on {world} ranks, final loss {loss.item():.4f}", flush=True)
     # Without a barrier, a rank that tears its process group down while the
     # other is still finishing makes gloo abort ("terminate called without an
     # active exception") in about half the runs here, ddpscope or not.
     dist.barrier()
+    if rank == 0:  # after the barrier: every rank has finished all its work
+        print(f"done: {step} steps on {world} ranks, final loss {loss.item():.4f}", flush=True)
     if not args.no_destroy:
         dist.destroy_process_group()
 
