@@ -31,17 +31,22 @@ def summary(d: RankDetail) -> Text:
     return text
 
 
-def phase_table(rows: tuple[PhaseRow, ...]) -> RenderableType:
-    if not rows:
-        return Text("no steps yet", style="dim")
-    table = Table(
-        title="phase history (ms, newest first)",
+def _table(title: str) -> Table:
+    """The detail screen's borderless table style."""
+    return Table(
+        title=title,
         title_justify="left",
         box=None,
         pad_edge=False,
         header_style="bold",
         expand=False,
     )
+
+
+def phase_table(rows: tuple[PhaseRow, ...]) -> RenderableType:
+    if not rows:
+        return Text("no steps yet", style="dim")
+    table = _table("phase history (ms, newest first)")
     for name in ("step", "ep", "total", "data", "fwd", "bwd", "wait", "opt", "other", "mb"):
         table.add_column(name, justify="right")
     for r in reversed(rows):
@@ -63,14 +68,7 @@ def phase_table(rows: tuple[PhaseRow, ...]) -> RenderableType:
 def sampler_table(rows: tuple[PassRow, ...]) -> RenderableType:
     if not rows:
         return Text("sampler: no DataLoader pass seen", style="dim")
-    table = Table(
-        title="sampler passes",
-        title_justify="left",
-        box=None,
-        pad_edge=False,
-        header_style="bold",
-        expand=False,
-    )
+    table = _table("sampler passes")
     for name in (
         "loader",
         "pass",
