@@ -58,6 +58,7 @@ class Analysis:
             self._order.append(msg.run)
         if run.ingest(msg, rx_ns):
             book = self.books[msg.run]
+            book.now_ns = run.now_ns
             for det in self.detectors:
                 try:
                     det.observe(run, msg, book)
@@ -69,6 +70,7 @@ class Analysis:
         for run_id, run in self.runs.items():
             run.now_ns = max(run.now_ns, now_ns)
             book = self.books[run_id]
+            book.now_ns = run.now_ns
             for det in self.detectors:
                 try:
                     det.tick(run, book)

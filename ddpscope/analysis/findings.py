@@ -36,6 +36,10 @@ class Finding:
     active: bool = True
     #: Order in which findings were raised (for "newest first").
     serial: int = 0
+    #: Analysis clock (sender monotonic ns in replays and reports, the
+    #: watcher's monotonic clock live) when it was raised and last changed.
+    raised_ns: int = -1
+    changed_ns: int = -1
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -61,6 +65,10 @@ class FindingBook:
         self._serial = 0
         #: Bumped on every change, so a UI can tell cheaply whether to redraw.
         self.version = 0
+        #: The analysis clock, set by the Analysis before detectors run, so
+        #: findings carry the moment they were raised without each detector
+        #: having to know it.
+        self.now_ns = -1
 
     def raise_or_update(self, key: str, finding: Finding) -> Finding:
         full = (finding.kind, key)
@@ -70,6 +78,7 @@ class FindingBook:
             self._serial += 1
             finding.serial = self._serial
             finding.last_step = max(finding.last_step, finding.step)
+            finding.raised_ns = finding.changed_ns = self.now_ns
             self._by_key[full] = finding
             return finding
         # Keep identity and first sighting; refresh the rest. The version only
@@ -85,12 +94,14 @@ class FindingBook:
         old.updates += 1
         if before != (old.severity, old.ranks, old.message, old.evidence, old.active, old.fix):
             self.version += 1
+            old.changed_ns = self.now_ns
         return old
 
     def resolve(self, kind: str, key: str) -> None:
         f = self._by_key.get((kind, key))
         if f is not None and f.active:
             f.active = False
+            f.changed_ns = self.now_ns
             self.version += 1
 
     def get(self, kind: str, key: str) -> Finding | None:

@@ -347,8 +347,12 @@ class LiveFeed:
         detectors: Iterable[Detector] | None = None,
         clock: Clock | None = None,
         freeze_gc: bool = False,
+        subscriber: Subscriber | None = None,
     ) -> None:
-        """``freeze_gc``: after each snapshot, move every object alive into the
+        """``subscriber``: an already bound one (with keys, say); by default one
+        is bound at ``endpoint``. The feed owns it either way and closes it.
+
+        ``freeze_gc``: after each snapshot, move every object alive into the
         garbage collector's permanent generation (``gc.freeze``). For a watcher
         process only: telemetry is long-lived and acyclic (freed by reference
         counting as history is trimmed), and a full collection over it took
@@ -361,7 +365,7 @@ class LiveFeed:
         self.analysis = Analysis(list(detectors), history=MAX_HISTORY)
         self._detector_note = note
         self.clock: Clock = clock or SystemClock()
-        self._sub = Subscriber(endpoint, control_endpoint)
+        self._sub = subscriber or Subscriber(endpoint, control_endpoint)
         self.endpoint = endpoint
         self._extras: dict[str, _RunExtras] = {}
         self._lags = _Lags()
