@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from synthetic import FrozenClock, SyntheticRun, Wire, clock_at, wait_received
 
-from ddpscope.analysis import live
-from ddpscope.analysis.live import ERROR, LiveFeed, SnapshotRequest
+from ddpscope.analysis import monitor, views
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.analysis.snapshot import ERROR, SnapshotRequest
 from ddpscope.config import load
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.schema import Step, encode
@@ -106,7 +107,7 @@ def test_quiet_and_never_heard_ranks_are_silent_and_sort_as_problems(endpoint: s
     assert later.health.silent == (2, 3)
     status = {r.rank: (r.status, r.level) for r in later.rows}
     assert status[2] == ("silent", ERROR) and status[3] == ("no data", ERROR)
-    assert status[0] == ("ok", live.OK)
+    assert status[0] == ("ok", views.OK)
 
 
 def test_health_counts_drops_rejects_and_measures_lag(endpoint: str) -> None:
@@ -178,7 +179,7 @@ def test_rank_detail_has_phase_history_sampler_and_fingerprint_status(endpoint: 
         detail = feed.snapshot(SnapshotRequest(detail_rank=1)).detail
     assert detail is not None
     assert (detail.rank, detail.host, detail.pid, detail.backend) == (1, "node00", 10001, "gloo")
-    assert [p.step for p in detail.phases] == list(range(40 - live.DETAIL_STEPS, 40))
+    assert [p.step for p in detail.phases] == list(range(40 - views.DETAIL_STEPS, 40))
     assert detail.phases[-1].total_ms == pytest.approx(100)
     assert detail.fingerprint == "no fingerprint yet"
     assert detail.stacks is None and detail.stacks_pending_s == -1
@@ -231,7 +232,7 @@ def test_findings_from_the_straggler_detector_reach_the_snapshot(endpoint: str) 
     stragglers = [f for f in snap.findings if f.kind == "straggler"]
     assert len(stragglers) == 1 and stragglers[0].ranks == (3,) and stragglers[0].active
     assert stragglers[0].fix and stragglers[0].evidence
-    assert snap.rows[3].status == "straggler" and snap.rows[3].level >= live.WARNING
+    assert snap.rows[3].status == "straggler" and snap.rows[3].level >= views.WARNING
     assert snap.findings_version > 0
 
 
@@ -258,7 +259,7 @@ def test_history_per_rank_shrinks_as_the_world_grows(endpoint: str) -> None:
         _publish(feed, wire, [run.run_info(0), *run.steps(0, 1)])
         snap = feed.snapshot()
         state = feed.analysis.latest
-    assert state is not None and state.history == live.MIN_HISTORY
+    assert state is not None and state.history == monitor.MIN_HISTORY
     assert len(snap.rows) == 1024 and sum(r.status == "no data" for r in snap.rows) == 0
 
 
@@ -296,7 +297,7 @@ def test_a_finished_straggler_keeps_its_badge_and_sorts_first(endpoint: str) -> 
         (1, "exited"),
         (2, "straggler"),
     ]
-    assert snap.rows[2].level == live.WARNING
+    assert snap.rows[2].level == views.WARNING
 
 
 def test_a_watcher_started_mid_run_learns_the_layout_from_resent_run_info(endpoint: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddpscope.analysis.live import ERROR, OK, WARNING, RankRow
+from ddpscope.analysis.snapshot import ERROR, OK, WARNING, RankRow
 from ddpscope.ui import format as fmt
 from ddpscope.ui.ranks import COLUMNS, order_rows
 

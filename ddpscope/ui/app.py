@@ -26,7 +26,7 @@ from textual.containers import Container, Horizontal, Vertical
 from textual.widget import Widget
 from textual.widgets import Footer
 
-from ddpscope.analysis.live import Snapshot, SnapshotRequest
+from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
 from ddpscope.ui.findings import FindingsPanel

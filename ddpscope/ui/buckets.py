@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from rich.segment import Segment
 from rich.style import Style
 
-from ddpscope.analysis.live import BucketMatrix, RankRow
+from ddpscope.analysis.snapshot import BucketMatrix, RankRow
 from ddpscope.ui import format as fmt
 from ddpscope.ui.rows import RowsView, cell
 

@@ -11,7 +11,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from ddpscope.analysis.live import PassRow, PhaseRow, RankDetail, StacksView
+from ddpscope.analysis.snapshot import PassRow, PhaseRow, RankDetail, StacksView
 from ddpscope.ui import format as fmt
 
 

@@ -8,7 +8,7 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
-from ddpscope.analysis.live import FindingView
+from ddpscope.analysis.snapshot import FindingView
 from ddpscope.ui import format as fmt
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.widgets import Static
 
-from ddpscope.analysis.live import Health, RunHeader, Snapshot
+from ddpscope.analysis.snapshot import Health, RunHeader, Snapshot
 from ddpscope.ui import format as fmt
 
 

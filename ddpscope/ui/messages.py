@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from ddpscope.analysis.live import Snapshot
+from ddpscope.analysis.snapshot import Snapshot
 
 
 @dataclass

@@ -8,7 +8,7 @@ from typing import Any
 
 from rich.segment import Segment
 
-from ddpscope.analysis.live import RankRow
+from ddpscope.analysis.snapshot import RankRow
 from ddpscope.ui import format as fmt
 from ddpscope.ui.messages import SortRequested
 from ddpscope.ui.rows import RowsView, cell

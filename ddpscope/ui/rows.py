@@ -22,7 +22,7 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ddpscope.analysis.live import ERROR, INFO, OK, WARNING, RankRow
+from ddpscope.analysis.snapshot import ERROR, INFO, OK, WARNING, RankRow
 from ddpscope.ui.messages import RankChosen, RankHighlighted
 
 LEVEL_CLASS = {

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from rich.segment import Segment
 
-from ddpscope.analysis.live import RankRow
+from ddpscope.analysis.snapshot import RankRow
 from ddpscope.ui import format as fmt
 from ddpscope.ui.rows import RowsView, cell
 

@@ -1,0 +1,446 @@
+"""Building snapshot parts from a run's state: one run in, plain data out.
+
+Pure functions over :class:`~ddpscope.analysis.state.RunState` and the few
+things the monitor tracks beside it (:class:`RunExtras`). Live watching and
+replay build their snapshots with the same functions, so a recorded run
+looks exactly as it did live.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from operator import add, sub
+from typing import Any
+
+from ddpscope.analysis.findings import Finding
+from ddpscope.analysis.snapshot import (
+    ERROR,
+    INFO,
+    OK,
+    WARNING,
+    BucketMatrix,
+    FindingView,
+    PassRow,
+    PhaseRow,
+    RankDetail,
+    RankRow,
+    RunHeader,
+    StacksView,
+    ThreadStack,
+)
+from ddpscope.analysis.state import RankView, RunState
+from ddpscope.schema import Stacks, Step
+
+#: Step times kept per rank for the sparklines (about 12 s at 10 steps/s).
+SERIES_LEN = 120
+#: Steps averaged for a rank's row, and complete steps averaged for the bucket view.
+ROW_STEPS = 5
+BUCKET_STEPS = 5
+#: Steps shown in a rank's phase history.
+DETAIL_STEPS = 24
+#: A rank that sent nothing for this long is silent (heartbeats come every second).
+SILENT_S = 5.0
+
+_SEVERITY_LEVEL = {"info": INFO, "warning": WARNING, "error": ERROR}
+
+
+@dataclass
+class RunExtras:
+    """What the feed tracks beside RunState: series, heartbeat arrival, lags, requests."""
+
+    busy: dict[int, deque[float]] = field(default_factory=dict)
+    step: dict[int, deque[float]] = field(default_factory=dict)
+    hb_rx_ns: dict[int, int] = field(default_factory=dict)
+    stacks_asked_ns: dict[int, int] = field(default_factory=dict)
+    stacks_rx_ns: dict[int, int] = field(default_factory=dict)
+    end_wall_ns: int = 0
+
+
+def series(table: dict[int, deque[float]], rank: int) -> deque[float]:
+    d = table.get(rank)
+    if d is None:
+        d = table[rank] = deque(maxlen=SERIES_LEN)
+    return d
+
+
+def silent_ranks(run: RunState, now_mono: int) -> list[int]:
+    quiet = []
+    for r in run.expected_ranks():
+        view = run.ranks.get(r)
+        gone = view is not None and view.end is None and now_mono - view.last_rx_ns > SILENT_S * 1e9
+        if view is None or gone:
+            quiet.append(r)
+    return quiet
+
+
+def finding_view(f: Finding) -> FindingView:
+    return FindingView(
+        kind=f.kind,
+        severity=f.severity,
+        ranks=tuple(f.ranks),
+        step=f.step,
+        epoch=f.epoch,
+        last_step=f.last_step,
+        message=f.message,
+        fix=f.fix,
+        evidence=tuple((str(k), _evidence_text(v)) for k, v in f.evidence.items()),
+        active=f.active,
+        serial=f.serial,
+    )
+
+
+def _evidence_text(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        items = [_evidence_text(v) for v in value[:12]]
+        more = f", ... ({len(value)} in all)" if len(value) > 12 else ""
+        return "[" + ", ".join(items) + more + "]"
+    if isinstance(value, dict):
+        return (
+            "{" + ", ".join(f"{k}: {_evidence_text(v)}" for k, v in list(value.items())[:12]) + "}"
+        )
+    return str(value)
+
+
+def _rank_flags(run: RunState, findings: Iterable[FindingView]) -> dict[int, tuple[int, str]]:
+    """Per rank, the worst active finding that singles it out: (level, kind).
+
+    A finding naming every rank (a forgotten set_epoch) is about the run, not
+    about a rank, and does not push any row to the top.
+    """
+    world = max(run.world_size, len(run.ranks), 1)
+    flags: dict[int, tuple[int, str]] = {}
+    for f in findings:
+        if not f.active or (len(f.ranks) >= world and world > 1):
+            continue
+        level = _SEVERITY_LEVEL.get(f.severity, INFO)
+        for r in f.ranks:
+            if r not in flags or flags[r][0] < level:
+                flags[r] = (level, f.kind)
+    return flags
+
+
+def rank_status(
+    view: RankView | None, flag: tuple[int, str] | None, now_mono: int
+) -> tuple[str, int]:
+    """The badge and level of a rank: the most serious thing known about it.
+
+    A finding stays on its rank after the job ends (the straggler of a
+    finished run is still the one to look at); the phase column says "exited".
+    """
+    if view is None:
+        return "no data", ERROR
+    found: list[tuple[int, str]] = []
+    if flag is not None:
+        found.append(flag)
+    if view.end is not None and view.end.reason == "disabled":
+        found.append((WARNING, "disabled"))
+    if view.end is None and now_mono - view.last_rx_ns > SILENT_S * 1e9:
+        found.append((ERROR, "silent"))
+    if found:
+        level, status = max(found, key=lambda f: f[0])  # first of the worst: findings win ties
+        return status, level
+    return ("exited", OK) if view.end is not None else ("ok", OK)
+
+
+def _mean(values: Sequence[int]) -> float:
+    return sum(values) / len(values) / 1e6 if values else -1.0
+
+
+def build_rows(
+    run: RunState,
+    findings: Iterable[FindingView],
+    extras: RunExtras,
+    now_mono: int,
+    series: bool,
+) -> tuple[RankRow, ...]:
+    flags = _rank_flags(run, findings)
+    ranks = sorted(set(run.expected_ranks()) | set(run.ranks))
+    rows = []
+    for r in ranks:
+        view = run.ranks.get(r)
+        status, level = rank_status(view, flags.get(r), now_mono)
+        if view is None:
+            rows.append(
+                RankRow(r, "?", 0, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, "", status, level)
+            )
+            continue
+        recent = list(view.steps)[-ROW_STEPS:] if view.steps else []
+        hb = view.heartbeat
+        hb_rx = extras.hb_rx_ns.get(r)
+        last = recent[-1] if recent else None
+        rows.append(
+            RankRow(
+                rank=r,
+                host=view.info.host if view.info is not None else "?",
+                step=view.step_count,
+                epoch=last.epoch if last is not None else -1,
+                step_ms=_mean([s.t_end - s.t_start for s in recent]),
+                data_ms=_mean([s.data_ns for s in recent]),
+                forward_ms=_mean([s.forward_ns for s in recent]),
+                backward_ms=_mean([s.backward_ns for s in recent]),
+                optimizer_ms=_mean([s.optimizer_ns for s in recent]),
+                wait_ms=_mean([s.comm_wait_ns for s in recent]),
+                cpu_pct=hb.cpu_pct if hb is not None else -1.0,
+                rss_bytes=hb.rss_bytes if hb is not None else -1,
+                hb_age_s=(now_mono - hb_rx) / 1e9 if hb_rx is not None else -1.0,
+                phase=hb.phase if hb is not None else "",
+                status=status,
+                level=level,
+                recent_step_ms=tuple(extras.step.get(r, ())) if series else (),
+                recent_busy_ms=tuple(extras.busy.get(r, ())) if series else (),
+            )
+        )
+    return tuple(rows)
+
+
+def build_header(run: RunState, extras: RunExtras, now_wall: int, runs_seen: int) -> RunHeader:
+    infos = [v.info for v in run.ranks.values() if v.info is not None]
+    hosts = tuple(sorted({i.host for i in infos}))
+    durations = []
+    epoch = -1
+    for view in run.ranks.values():
+        recent = list(view.steps)[-ROW_STEPS:]
+        if recent:
+            durations.append(sum(s.t_end - s.t_start for s in recent) / len(recent))
+            epoch = max(epoch, recent[-1].epoch)
+    rate = 1e9 / statistics.median(durations) if durations and statistics.median(durations) else 0
+    step = max((v.step_count for v in run.ranks.values()), default=-1)
+    expected = run.expected_ranks()
+    ended = bool(expected) and all(
+        r in run.ranks and run.ranks[r].end is not None for r in expected
+    )
+    started = min((i.started_wall_ns for i in infos), default=0)
+    if started:
+        until = extras.end_wall_ns if ended and extras.end_wall_ns else now_wall
+        elapsed = max(0.0, (until - started) / 1e9)
+    else:
+        elapsed = max(0.0, (run.now_ns - run.first_rx_ns) / 1e9)
+    first = infos[0] if infos else None
+    return RunHeader(
+        run_id=run.run_id,
+        world_size=run.world_size or len(run.ranks),
+        hosts=hosts,
+        backend=first.backend if first is not None else "",
+        device=first.device.split(":")[0] if first is not None else "",
+        steps_per_s=float(rate),
+        epoch=epoch,
+        step=step,
+        elapsed_s=elapsed,
+        runs_seen=runs_seen,
+        ended=ended,
+    )
+
+
+def _recent_complete_steps(run: RunState, wanted: int) -> list[int]:
+    """Newest steps that every rank reporting steps has reported (or the best there is)."""
+    reporting = sum(1 for v in run.ranks.values() if v.steps)
+    if not reporting:
+        return []
+    newest = sorted(run.by_step, reverse=True)[:64]
+    complete = [s for s in newest if len(run.by_step[s]) >= reporting][:wanted]
+    if complete:
+        return complete
+    best = max(newest, key=lambda s: len(run.by_step[s]), default=None)
+    return [best] if best is not None else []
+
+
+_ONES = [1] * 4096
+
+
+def bucket_matrix(run: RunState) -> BucketMatrix | None:
+    steps = _recent_complete_steps(run, BUCKET_STEPS)
+    if not steps:
+        return None
+    ranks = sorted({r for s in steps for r in run.by_step[s]})
+    # Launch order as the first rank saw it; every rank on the same layout agrees.
+    first = run.by_step[steps[0]]
+    order = list(first[min(first)].b_index)
+    if not order:
+        return None
+    slot = {b: k for k, b in enumerate(order)}
+    n = len(order)
+    sums = {r: [0.0] * n for r in ranks}
+    counts = {r: [0] * n for r in ranks}
+    transfer: list[float] = [0.0] * n
+    for s in steps:
+        # durations[r][k], aligned to ``order``; None where a rank did not report bucket k.
+        durations: dict[int, list[int | None]] = {}
+        for r, st in run.by_step[s].items():
+            if st.b_index == order:  # the usual case: lists compare at C speed
+                durations[r] = list(st.b_dur_ns)
+            else:
+                row: list[int | None] = [None] * n
+                for b, dur in zip(st.b_index, st.b_dur_ns, strict=False):
+                    if b in slot:
+                        row[slot[b]] = dur
+                durations[r] = row
+        rows = list(durations.values())
+        if any(None in row for row in rows):
+            fastest = [
+                min((d for d in column if d is not None), default=0)
+                for column in zip(*rows, strict=True)
+            ]
+        else:
+            fastest = list(map(min, zip(*rows, strict=True)))
+        transfer = list(map(add, transfer, fastest))
+        for r, row in durations.items():
+            if None not in row:  # whole rows in C: this loop runs ranks x steps times
+                sums[r] = list(map(add, sums[r], map(sub, row, fastest)))
+                counts[r] = list(map(add, counts[r], _ONES[:n]))
+                continue
+            acc, cnt = sums[r], counts[r]
+            for k, (d, f) in enumerate(zip(row, fastest, strict=True)):
+                if d is not None:
+                    acc[k] += d - f
+                    cnt[k] += 1
+    wait = tuple(
+        tuple(a / c / 1e6 if c else -1.0 for a, c in zip(sums[r], counts[r], strict=True))
+        for r in ranks
+    )
+    return BucketMatrix(
+        steps=tuple(sorted(steps)),
+        buckets=tuple(order),
+        ranks=tuple(ranks),
+        wait_ms=wait,
+        transfer_ms=tuple(t / len(steps) / 1e6 for t in transfer),
+    )
+
+
+def _phase_row(s: Step) -> PhaseRow:
+    return PhaseRow(
+        step=s.step,
+        epoch=s.epoch,
+        total_ms=(s.t_end - s.t_start) / 1e6,
+        data_ms=s.data_ns / 1e6,
+        forward_ms=s.forward_ns / 1e6,
+        backward_ms=s.backward_ns / 1e6,
+        wait_ms=s.comm_wait_ns / 1e6,
+        optimizer_ms=s.optimizer_ns / 1e6,
+        other_ms=s.other_ns / 1e6,
+        micro_batches=s.micro_batches,
+        optimizer_steps=s.optimizer_steps,
+    )
+
+
+def _passes(run: RunState, rank: int) -> tuple[PassRow, ...]:
+    view = run.ranks[rank]
+    out = []
+    for key in sorted(view.passes)[-8:]:
+        pv = view.passes[key]
+        begin, end = pv.begin, pv.end
+        overlap = -1.0
+        if end is not None and end.sketch:
+            mine = set(end.sketch)
+            others: set[int] = set()
+            compared = False
+            for r, other in run.ranks.items():
+                theirs = other.passes.get(key) if r != rank else None
+                if theirs is not None and theirs.end is not None:
+                    others.update(theirs.end.sketch)
+                    compared = True
+            if compared:
+                overlap = len(mine & others) / len(mine)
+        out.append(
+            PassRow(
+                loader=key[0],
+                pass_id=key[1],
+                step=begin.step if begin is not None else (end.step if end is not None else -1),
+                epoch=begin.epoch if begin is not None else -1,
+                sampler=begin.sampler_type if begin is not None else "?",
+                distributed=begin.distributed if begin is not None else False,
+                seed=begin.seed if begin is not None else -1,
+                expected=begin.expected if begin is not None else -1,
+                count=end.count if end is not None else -1,
+                complete=end.complete if end is not None else False,
+                digest=end.digest if end is not None else 0,
+                overlap=overlap,
+            )
+        )
+    return tuple(out)
+
+
+def fingerprint_status(run: RunState, rank: int) -> str:
+    view = run.ranks[rank]
+    if not view.fingerprints:
+        return "no fingerprint yet"
+    step = max(view.fingerprints)
+    mine = view.fingerprints[step]
+    same: list[int] = []
+    differ: list[int] = []
+    for r, other in sorted(run.ranks.items()):
+        if r == rank:
+            continue
+        theirs = other.fingerprints.get(step)
+        if theirs is None:
+            continue
+        if theirs.params == mine.params and theirs.buffers == mine.buffers:
+            same.append(r)
+        else:
+            differ.append(r)
+    pending = len(run.expected_ranks()) - 1 - len(same) - len(differ)
+    wait = f"; {pending} rank(s) not reported yet" if pending > 0 else ""
+    if differ:
+        n_params = sum(
+            a != b
+            for a, b in zip(
+                mine.params, run.ranks[differ[0]].fingerprints[step].params, strict=False
+            )
+        )
+        return (
+            f"step {step} ({mine.reason}): DIFFERS from rank(s) {_rank_list(differ)} "
+            f"({n_params} parameter(s) differ from rank {differ[0]}){wait}"
+        )
+    if same:
+        return f"step {step} ({mine.reason}): identical to {len(same)} other rank(s){wait}"
+    return f"step {step} ({mine.reason}): no other rank to compare with yet{wait}"
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    shown = ", ".join(str(r) for r in ranks[:8])
+    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _stacks_view(msg: Stacks, rx_age_s: float) -> StacksView:
+    threads = []
+    for t in msg.threads:
+        frames = tuple(
+            (str(f[0]), int(f[1]), str(f[2]))
+            for f in t.get("frames", [])
+            if isinstance(f, (list, tuple)) and len(f) >= 3
+        )
+        threads.append(ThreadStack(str(t.get("name", "?")), bool(t.get("main", False)), frames))
+    return StacksView(msg.reason, msg.phase, msg.step, rx_age_s, tuple(threads))
+
+
+def build_detail(run: RunState, rank: int, extras: RunExtras, now_mono: int) -> RankDetail:
+    view = run.ranks[rank]
+    info, hb = view.info, view.heartbeat
+    stacks = None
+    if view.stacks is not None:
+        rx = extras.stacks_rx_ns.get(rank)
+        stacks = _stacks_view(view.stacks, (now_mono - rx) / 1e9 if rx is not None else -1.0)
+    asked = extras.stacks_asked_ns.get(rank)
+    end = ""
+    if view.end is not None:
+        end = view.end.reason + (f": {view.end.error.strip()}" if view.end.error.strip() else "")
+    return RankDetail(
+        rank=rank,
+        host=info.host if info is not None else "?",
+        pid=info.pid if info is not None else view.pid,
+        local_rank=info.local_rank if info is not None else -1,
+        backend=info.backend if info is not None else "",
+        device=info.device if info is not None else "",
+        phase=hb.phase if hb is not None else "",
+        in_phase_s=hb.in_phase_s if hb is not None else -1.0,
+        end=end,
+        phases=tuple(_phase_row(s) for s in list(view.steps)[-DETAIL_STEPS:]),
+        passes=_passes(run, rank),
+        fingerprint=fingerprint_status(run, rank),
+        stacks=stacks,
+        stacks_pending_s=(now_mono - asked) / 1e9 if asked is not None else -1.0,
+    )
