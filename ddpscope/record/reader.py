@@ -68,6 +68,7 @@ class RankFile:
         self.rank = _int(header.get("rank"), -1)
         self.run_id = str(header.get("run_id", ""))
         self.truncated_bytes = 0
+        self.end_offset = self._data_offset
 
     def __repr__(self) -> str:
         return f"RankFile({self.path!r}, rank={self.rank})"
@@ -76,11 +77,27 @@ class RankFile:
         """Raw payloads, in order. Problems found are appended to ``problems``."""
         self.problems.clear()
         self.truncated_bytes = 0
+        for _, payload in self.scan():
+            yield payload
+
+    @property
+    def data_offset(self) -> int:
+        """Where the first record starts."""
+        return self._data_offset
+
+    def scan(self, start: int | None = None) -> Iterator[tuple[int, bytes]]:
+        """(offset, payload) of each whole record from ``start`` (a record boundary).
+
+        Stops at the first damaged or partial record and lists it in
+        ``problems``; ``end_offset`` is then where the good records end, so a
+        caller following a file that is still being written can scan again
+        from there once it grew.
+        """
+        self.end_offset = pos = self._data_offset if start is None else start
         with open(self.path, "rb") as f:
-            f.seek(self._data_offset)
+            f.seek(pos)
             index = 0
             while True:
-                pos = f.tell()
                 head = f.read(RECORD_HEAD.size)
                 if not head:
                     return
@@ -105,7 +122,9 @@ class RankFile:
                     )
                     return
                 index += 1
-                yield payload
+                yield pos, payload
+                pos += RECORD_HEAD.size + length
+                self.end_offset = pos
 
     def _truncated(self, f: Any, pos: int, index: int) -> None:
         end = f.seek(0, os.SEEK_END)
