@@ -349,3 +349,22 @@ def findings(analysis: Any, kind: str | None = None) -> list[Any]:
     for book in analysis.books.values():
         out += [f for f in book.sorted() if kind is None or f.kind == kind]
     return out
+
+
+def record(directory: Any, msgs: Iterable[Message], *, run: str = RUN) -> str:
+    """Write the messages as a ranks' recording (one file per rank); returns the run dir."""
+    from ddpscope.record.writer import RecordWriter
+    from ddpscope.schema import encode
+
+    writers: dict[int, RecordWriter] = {}
+    for m in sequenced(msgs):
+        w = writers.get(m.rank)
+        if w is None:
+            # The same clock anchors as run_info(): wall = 1.7e18 + monotonic.
+            header = {"run_id": run, "rank": m.rank, "mono_ns": m.t}
+            header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
+            w = writers[m.rank] = RecordWriter(str(directory), run, m.rank, header)
+        w.append(encode(m))
+    for w in writers.values():
+        w.close()
+    return next(iter(writers.values())).run_dir

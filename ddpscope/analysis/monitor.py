@@ -82,6 +82,9 @@ class FeedStats:
     error: str = ""
     #: Anything else worth a word in the health line (replay progress, file problems).
     note: str = ""
+    #: Sequence gaps counted by the feeder itself (a replay counts them over the
+    #: whole recording, not over the stretch it fed); -1: count them here.
+    gaps: int = -1
 
 
 class _Lags:
@@ -242,10 +245,12 @@ class Monitor:
         if run is not None:
             rejected += sum(run.rejected.values())
             for view in run.ranks.values():
-                dropped += view.missing
+                if stats.gaps < 0:
+                    dropped += view.missing
                 if view.heartbeat is not None:
                     dropped += view.heartbeat.dropped_queue
             silent = tuple(silent_ranks(run, now_mono))
+        dropped += max(stats.gaps, 0)
         notes = [n for n in (self.detector_note, stats.note) if n]
         if self.analysis.detector_errors:
             notes.append("detector errors: " + ", ".join(sorted(self.analysis.detector_errors)))

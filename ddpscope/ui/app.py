@@ -345,7 +345,10 @@ class WatchApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(self._help_screen())
+
+    def _help_screen(self) -> HelpScreen:
+        return HelpScreen()
 
     def action_sort(self, delta: int) -> None:
         self.ranks.step_column(delta)

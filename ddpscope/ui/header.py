@@ -19,6 +19,8 @@ class Situation:
     paused: bool = False
     #: Exit status of the job ``ddpscope run`` launched (None: running or no job).
     job_status: int | None = None
+    #: The replay's state ("REPLAY ▶ 4x"), or "" when watching live.
+    replay: str = ""
 
 
 def run_lines(head: RunHeader) -> tuple[Text, Text]:
@@ -73,6 +75,8 @@ def health_line(health: Health) -> Text:
 
 
 def state_badge(snapshot: Snapshot | None, situation: Situation) -> Text:
+    if situation.replay:
+        return Text(f" {situation.replay} ", "bold reverse magenta")
     if situation.paused:
         return Text(" PAUSED (space) ", "bold reverse yellow")
     if situation.job_status is not None:

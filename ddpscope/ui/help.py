@@ -80,11 +80,21 @@ class HelpScreen(ModalScreen[None]):
         border: round $accent; background: $surface; padding: 0 1; }
     """
 
+    def __init__(self, extra: tuple[tuple[str, str], ...] = (), extra_title: str = "") -> None:
+        """``extra``: keys of a mode (replay) listed above the common ones."""
+        super().__init__()
+        self.extra = extra
+        self.extra_title = extra_title
+
     def compose(self) -> ComposeResult:
         with VerticalScroll() as scroll:
-            scroll.border_title = "ddpscope watch: help (esc closes)"
+            scroll.border_title = "ddpscope: help (esc closes)"
+            first: list[Table | Text] = (
+                [_table(self.extra, self.extra_title), Text("")] if self.extra else []
+            )
             yield Static(
                 Group(
+                    *first,
                     _table(KEYS, "Keys"),
                     Text(DETAIL_KEYS, style="dim"),
                     Text(""),

@@ -1,0 +1,331 @@
+"""One pass over a recording: where every record is, and what the detectors said when.
+
+A replay must open a 64-rank, 10,000-step recording in seconds and seek
+anywhere in a fraction of one, without holding the decoded run in memory
+(about 5 KB per step message: gigabytes). So one background pass reads every
+rank file once, in time order, and keeps only:
+
+- per file, the time, byte offset and kind of each record (a few bytes per
+  record), from which the player reads back any stretch of the run;
+- when each step was complete on every rank, for step-wise navigation;
+- the findings the live detectors raise, each time they change, fed exactly
+  as ``ddpscope report`` feeds them (sender clocks, a tick every 250 ms of
+  recorded time), so a finding appears in the replay at the moment a live
+  watcher would have shown it.
+
+A run still being written is followed: at the end of the data the pass waits,
+then reads what the files gained and any rank file that appeared since.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import threading
+import time
+from array import array
+from bisect import bisect_right
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET, finding_views
+from ddpscope.analysis.snapshot import FindingView
+from ddpscope.analysis.sources import TICK_NS
+from ddpscope.record.format import SUFFIX, RecordError
+from ddpscope.record.reader import RankFile, RunDir
+from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, Step, decode
+
+#: A code per message kind, stored per record (one byte instead of a string).
+KIND_CODE = {kind: code for code, kind in enumerate(MESSAGE_TYPES)}
+STEP = KIND_CODE[Step.KIND]
+#: Records a file writes out of time order by at most this many (a step queued
+#: behind a later heartbeat): the pass sorts within a window this long.
+REORDER = 64
+#: A followed run is looked at again this often once its data is all read.
+FOLLOW_POLL_S = 0.25
+#: Records read per turn before the pass lets go of its lock.
+CHUNK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class Moment:
+    """The findings as they stood from ``t`` on (until the next moment)."""
+
+    t: int
+    version: int
+    findings: tuple[FindingView, ...]
+
+
+class Stream:
+    """One rank file's records, in file order, as the pass found them."""
+
+    def __init__(self, rf: RankFile) -> None:
+        self.file = rf
+        self.rank = rf.rank
+        #: Running maximum of record times: the records a replay at time T has
+        #: applied are exactly the prefix ``tmax[i] <= T`` (files are in write
+        #: order, which is time order but for a few records).
+        self.tmax = array("q")
+        self.offset = array("q")
+        self.kind = array("b")
+        #: Record positions of step messages, and their step numbers.
+        self.step_pos = array("q")
+        self.step_no = array("q")
+        #: Record positions per other kind, to find the newest of each before a point.
+        self.by_kind: dict[int, array[int]] = {}
+        #: Messages lost before they were recorded (gaps in sequence numbers),
+        #: as it stood from each time on: the replay's "dropped" at a time T.
+        self.gap_t = array("q")
+        self.gap_n = array("q")
+        self._seq_low = self._seq_high = -1
+        self._seq_count = 0
+        self._last_t = -(1 << 62)
+        self._next_offset = rf.data_offset
+
+    def __len__(self) -> int:
+        return len(self.offset)
+
+    def add(self, offset: int, msg: Message) -> None:
+        pos = len(self.offset)
+        self._last_t = max(self._last_t, msg.t)
+        self.tmax.append(self._last_t)
+        self.offset.append(offset)
+        code = KIND_CODE[msg.KIND]
+        self.kind.append(code)
+        if code == STEP:
+            assert isinstance(msg, Step)
+            self.step_pos.append(pos)
+            self.step_no.append(msg.step)
+        else:
+            self.by_kind.setdefault(code, array("q")).append(pos)
+        if msg.seq >= 0:  # re-sent run info carries -1
+            self._seq_count += 1
+            low = msg.seq if self._seq_low < 0 else min(self._seq_low, msg.seq)
+            self._seq_low, self._seq_high = low, max(self._seq_high, msg.seq)
+            missing = max(0, self._seq_high - low + 1 - self._seq_count)
+            if missing != (self.gap_n[-1] if self.gap_n else 0):
+                self.gap_t.append(self._last_t)
+                self.gap_n.append(missing)
+
+    def gaps_at(self, t: int) -> int:
+        """Messages this file was missing, by sequence number, at time ``t``."""
+        i = bisect_right(self.gap_t, t)
+        return self.gap_n[i - 1] if i else 0
+
+    def applied(self, t: int) -> int:
+        """How many records a replay standing at time ``t`` has applied."""
+        return bisect_right(self.tmax, t)
+
+
+class RecordingIndex:
+    """Built by :meth:`run` (on a thread); readable from other threads while it grows."""
+
+    def __init__(
+        self,
+        run: RunDir,
+        detectors: list[Detector] | None = None,
+        follow: bool = False,
+    ) -> None:
+        self.run = run
+        self.follow = follow
+        self.streams: list[Stream] = [Stream(rf) for rf in sorted(run.files, key=_file_order)]
+        self.analysis = Analysis(detectors, history=MAX_HISTORY)
+        self.moments: list[Moment] = []
+        self._moment_t = array("q")
+        #: Per step number, the time its last rank reported it (complete everywhere then).
+        self.step_done: dict[int, int] = {}
+        self._step_seen: dict[int, int] = {}
+        self.ranks_expected = 0
+        self.first_t = -1
+        #: Newest time the pass has fully handled; findings are known up to here.
+        self.t = -1
+        self.records = 0
+        self.total_bytes = sum(_size(s.file.path) for s in self.streams)
+        self.read_bytes = 0
+        self.done = False
+        self.error = ""
+        self.problems: list[str] = list(run.problems)
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._version = -1
+        self._ended: set[int] = set()
+
+    # --- reading the results (any thread) -----------------------------------------
+
+    @property
+    def progress(self) -> float:
+        if self.done:
+            return 1.0
+        return min(0.999, self.read_bytes / self.total_bytes) if self.total_bytes else 0.0
+
+    def findings_at(self, t: int) -> tuple[int, tuple[FindingView, ...]]:
+        """(version, findings) as they stood at time ``t``."""
+        i = bisect_right(self._moment_t, t)
+        if i == 0:
+            return 0, ()
+        m = self.moments[i - 1]
+        return m.version, m.findings
+
+    def raised_times(self) -> list[int]:
+        """When each finding was first raised, sorted (for next/previous finding)."""
+        with self.lock:
+            book = self.analysis.latest and self.analysis.book(self.analysis.latest)
+            return sorted(f.raised_ns for f in book) if book else []
+
+    def last_step(self) -> int:
+        return max(self.step_done, default=-1)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    # --- the pass ------------------------------------------------------------------
+
+    def run_pass(self) -> None:
+        """Read everything once (and follow while asked); records a failure in ``error``."""
+        try:
+            self._pass()
+        except Exception as exc:  # the replay must show what it has, and why it stopped
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.done = True
+
+    def _pass(self) -> None:
+        next_tick: int | None = None
+        while not self._stop.is_set():
+            merged = heapq.merge(*(self._read(s) for s in self.streams), key=lambda e: e[0])
+            batch = 0
+            for t, stream, offset, msg in merged:
+                if batch == 0:
+                    self.lock.acquire()
+                try:
+                    if next_tick is None:
+                        next_tick = t + TICK_NS
+                        self.first_t = t
+                    while t >= next_tick:
+                        self.analysis.tick(next_tick)
+                        self._moment(next_tick)
+                        next_tick += TICK_NS
+                    stream.add(offset, msg)
+                    self._observe(msg)
+                    run = self.analysis.feed(msg, t)
+                    if run.world_size:
+                        run.history = max(
+                            MIN_HISTORY, min(MAX_HISTORY, STEP_BUDGET // run.world_size)
+                        )
+                    self._moment(t)
+                    self.t = max(self.t, t)
+                    self.records += 1
+                finally:
+                    batch += 1
+                    if batch >= CHUNK:
+                        batch = 0
+                        self.lock.release()
+                if self._stop.is_set():
+                    break
+            if batch:
+                self.lock.release()
+            if not self.follow or self._stop.is_set() or self._all_ended():
+                break
+            time.sleep(FOLLOW_POLL_S)
+            self._look_for_new_files()
+        if next_tick is not None and not self._stop.is_set():
+            with self.lock:
+                self.analysis.tick(self.t)
+                self._moment(self.t)
+        self._note_missing_ranks()
+
+    def _read(self, stream: Stream) -> Iterator[tuple[int, Stream, int, Message]]:
+        """A file's messages from where the pass left it, sorted within a short window."""
+        rf = stream.file
+        window: list[tuple[int, int, int, Message]] = []
+        n = 0
+        for offset, payload in rf.scan(stream._next_offset):
+            self.read_bytes += len(payload) + 8
+            try:
+                msg = decode(payload)
+            except SchemaError as exc:
+                self.problems.append(f"{rf.path}: record at byte {offset} skipped: {exc}")
+                continue
+            n += 1
+            heapq.heappush(window, (msg.t, n, offset, msg))
+            if len(window) > REORDER:
+                t, _, off, m = heapq.heappop(window)
+                yield t, stream, off, m
+        while window:
+            t, _, off, m = heapq.heappop(window)
+            yield t, stream, off, m
+        partial = rf.end_offset < _size(rf.path)
+        stream._next_offset = rf.end_offset
+        if rf.problems:
+            if self.follow and partial and not self._stop.is_set():
+                # A record half written right now is not damage: read it next time.
+                rf.problems.clear()
+            else:
+                self.problems.extend(rf.problems)
+                rf.problems.clear()
+
+    def _observe(self, msg: Message) -> None:
+        if isinstance(msg, Step):
+            seen = self._step_seen.get(msg.step, 0) + 1
+            self._step_seen[msg.step] = seen
+            if seen >= max(self.ranks_expected, 1) or msg.step not in self.step_done:
+                # Until every rank has it, the step counts from its first report.
+                self.step_done[msg.step] = msg.t
+        elif isinstance(msg, RunInfo):
+            self.ranks_expected = max(self.ranks_expected, msg.world_size)
+        elif isinstance(msg, End):
+            self._ended.add(msg.rank)
+
+    def _moment(self, t: int) -> None:
+        run = self.analysis.latest
+        if run is None:
+            return
+        book = self.analysis.book(run)
+        if book.version != self._version:
+            self._version = book.version
+            self.moments.append(Moment(t, book.version, finding_views(book)))
+            self._moment_t.append(t)
+
+    def _all_ended(self) -> bool:
+        return self.ranks_expected > 0 and len(self._ended) >= self.ranks_expected
+
+    def _look_for_new_files(self) -> None:
+        known = {s.file.path for s in self.streams}
+        try:
+            names = sorted(os.listdir(self.run.path))
+        except OSError:
+            return
+        for name in names:
+            path = os.path.join(self.run.path, name)
+            if not name.endswith(SUFFIX) or path in known:
+                continue
+            try:
+                rf = RankFile(path)
+            except (RecordError, OSError):
+                continue  # a header still being written: look again next time
+            self.run.files.append(rf)
+            with self.lock:
+                self.streams.append(Stream(rf))
+        self.total_bytes = sum(_size(s.file.path) for s in self.streams)
+
+    def _note_missing_ranks(self) -> None:
+        have = {s.rank for s in self.streams}
+        missing = [r for r in range(self.ranks_expected) if r not in have]
+        if missing:
+            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+            self.problems.append(
+                f"{self.run.path}: no record file for rank(s) {shown} of {self.ranks_expected}"
+            )
+
+
+def _file_order(rf: RankFile) -> tuple[int, int, str]:
+    wall = rf.header.get("wall_ns")
+    return (rf.rank, wall if isinstance(wall, int) else 0, rf.path)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
