@@ -40,7 +40,10 @@ COMMANDS: tuple[str, ...] = (
     "ddpscope.cli.run:RunCommand",
     "ddpscope.cli.dump:DumpCommand",
     "ddpscope.cli.report:ReportCommand",
+    "ddpscope.cli.compare:CompareCommand",
+    "ddpscope.cli.export:ExportCommand",
     "ddpscope.cli.watch:WatchCommand",
+    "ddpscope.cli.replay:ReplayCommand",
 )
 
 

@@ -1,0 +1,101 @@
+"""Exporting a recording for other tools: a Chrome trace (Perfetto) and a CSV table.
+
+Both exports put every rank on one time axis the same way, through
+:class:`Timeline`: a rank's times are on its own monotonic clock, which
+means nothing to another host, so each is moved to wall time with a
+(wall, monotonic) pair the rank sampled back to back, and then measured from
+the earliest wall time of the run. docs/export.md describes both formats.
+
+No torch, no textual: an export runs on a laptop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ddpscope.record.reader import Recording
+from ddpscope.schema import Message, RunInfo, Step
+
+__all__ = ["RankClock", "Timeline", "fixed"]
+
+
+@dataclass(frozen=True)
+class RankClock:
+    rank: int
+    host: str
+    #: wall ns = monotonic ns + offset_ns.
+    offset_ns: int
+    #: Where the anchor came from: "run_info", "file header" or "none".
+    source: str
+
+
+class Timeline:
+    """Every rank's clock mapped onto the run's wall time, zero at its earliest message."""
+
+    def __init__(self, recording: Recording) -> None:
+        self.notes: list[str] = []
+        headers: dict[int, dict[str, object]] = {}
+        for f in recording.run.files:
+            headers.setdefault(f.rank, f.header)
+        anchored: dict[int, tuple[str, int | None, str]] = {}
+        first_ns: dict[int, int] = {}
+        for rank, msgs in sorted(recording.messages.items()):
+            if not msgs:
+                continue
+            first_ns[rank] = _earliest(msgs)
+            anchored[rank] = _anchor(msgs, headers.get(rank, {}))
+        known = [first_ns[r] + off for r, (_, off, _) in anchored.items() if off is not None]
+        #: Wall ns of the earliest message of the run: time zero of both exports.
+        self.base_ns = min(known, default=0)
+        self.ranks: dict[int, RankClock] = {}
+        for rank, (host, offset, source) in anchored.items():
+            if offset is None:
+                # Without an anchor the rank cannot be aligned; starting it with
+                # the others keeps it on screen instead of decades away.
+                offset = self.base_ns - first_ns[rank]
+                self.notes.append(
+                    f"rank {rank}: no clock anchor (no run_info, none in the file header); "
+                    "its first message is placed at the start of the run, unaligned"
+                )
+            self.ranks[rank] = RankClock(rank, host, offset, source)
+
+    def rel_ns(self, rank: int, mono_ns: int) -> int:
+        """ns since the start of the run of monotonic time ``mono_ns`` on ``rank``."""
+        return mono_ns + self.ranks[rank].offset_ns - self.base_ns
+
+    def hosts(self) -> list[str]:
+        """Hosts in the order of their lowest rank."""
+        out: list[str] = []
+        for rank in sorted(self.ranks):
+            host = self.ranks[rank].host
+            if host not in out:
+                out.append(host)
+        return out
+
+
+def _earliest(msgs: Iterable[Message]) -> int:
+    # A step starts before the message that reports it was created (t = t_end).
+    return min(min(m.t, m.t_start) if isinstance(m, Step) else m.t for m in msgs)
+
+
+def _anchor(msgs: list[Message], header: dict[str, object]) -> tuple[str, int | None, str]:
+    """(host, wall - monotonic offset or None, where it came from) for one rank."""
+    info = next((m for m in msgs if isinstance(m, RunInfo)), None)
+    host = info.host if info is not None else str(header.get("host", "") or "unknown")
+    if info is not None:
+        return host, info.wall_ns - info.mono_ns, "run_info"
+    wall, mono = _int(header.get("wall_ns")), _int(header.get("mono_ns"))
+    if wall is not None and mono is not None:
+        return host, wall - mono, "file header"
+    return host, None, "none"
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def fixed(ns: int, digits: int) -> str:
+    """``ns`` / 10**digits written exactly, without float rounding: fixed(1500, 3) == "1.500"."""
+    q, r = divmod(abs(ns), 10**digits)
+    return f"{'-' if ns < 0 else ''}{q}.{r:0{digits}d}"
