@@ -1,0 +1,764 @@
+"""``ddpscope compare``: two recorded runs side by side, and a verdict a CI job can gate on.
+
+Each side is read and analysed exactly as ``ddpscope report`` reads a run
+(:func:`ddpscope.analysis.report.analyze`), so its findings are the report's.
+The figures are medians twice over: per rank over its steps after warm-up,
+then over ranks. Means would let one checkpoint step, one page-fault storm or
+one odd rank move the result; the per-rank spread is what shows an odd rank.
+
+Everything but :func:`load` is a pure function of the two analyses. The JSON
+object (:func:`build`) is the source of truth and the text
+(:func:`render_text`) is drawn from it. docs/compare.md documents both; bump
+``VERSION`` on any change a consumer could trip over.
+
+No torch, no textual.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import textwrap
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ddpscope.analysis import report
+from ddpscope.analysis.detectors.straggler import StragglerDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.findings import SEVERITIES, severity_at_least
+from ddpscope.analysis.state import RunState
+from ddpscope.record.reader import RecordError, Recording, RunDir, find_runs
+from ddpscope.schema import RunInfo, Step
+
+FORMAT = "ddpscope.compare"
+VERSION = 1
+
+MS = report.MS
+NS = report.NS
+#: Leading step indices left out: the straggler detector's rule (DDP rebuilds its
+#: buckets during step 1 and syncs inside its forward; first steps also compile
+#: and fill caches).
+WARMUP_STEPS: int = StragglerDetector().warmup
+#: Steps per rank below which the sample size is a warning, not just a note.
+FEW_STEPS = 20
+#: Text width the output is laid out for.
+WIDTH = 100
+
+
+@dataclass(frozen=True)
+class Metric:
+    key: str
+    label: str
+    unit: str
+    higher_is_better: bool = False
+
+
+#: Compared figures, in table order. The step split keys are report.SPLIT's.
+METRICS: tuple[Metric, ...] = (
+    Metric("step", "step", "ms"),
+    Metric("data", "  data", "ms"),
+    Metric("forward", "  forward", "ms"),
+    Metric("backward", "  backward", "ms"),
+    Metric("comm_wait", "  comm (blocked)", "ms"),
+    Metric("optimizer", "  optimizer", "ms"),
+    Metric("other", "  other", "ms"),
+    Metric("allreduce_wait", "all-reduce wait", "ms"),
+    Metric("bucket_allreduce", "bucket all-reduce", "ms"),
+    Metric("throughput", "throughput", "steps/s", higher_is_better=True),
+    Metric("spread", "rank spread (own work)", "x"),
+)
+METRIC_KEYS = tuple(m.key for m in METRICS)
+_BY_KEY = {m.key: m for m in METRICS}
+
+
+# --- reading -------------------------------------------------------------------
+
+
+@dataclass
+class Side:
+    """One side of the comparison: a run read and analysed as ``ddpscope report`` does."""
+
+    directory: str
+    analysis: Analysis
+    recording: Recording
+    runs: list[RunDir]
+
+
+def pick(
+    dir_a: str, dir_b: str | None, run_a: str | None, run_b: str | None
+) -> tuple[tuple[str, str | None], tuple[str, str | None]]:
+    """(directory, run id) of each side. With one directory: its two newest runs.
+
+    Raises RecordError when one directory holds fewer than two runs to compare.
+    """
+    if dir_b is not None:
+        return (dir_a, run_a), (dir_b, run_b)
+    ids = [r.run_id for r in find_runs(dir_a)]
+    if run_b is None:
+        run_b = ids[-1]
+    if run_a is None:
+        # The run before B (before the newest when B is not among them: open_run says so).
+        before = ids[: ids.index(run_b)] if run_b in ids else ids[:-1]
+        run_a = before[-1] if before else None
+    if run_a is None:
+        raise RecordError(
+            f"{dir_a}: holds {len(ids)} run(s) ({', '.join(ids)}) and none before "
+            f"{run_b}; give a second directory or --run-a"
+        )
+    return (dir_a, run_a), (dir_a, run_b)
+
+
+def load(directory: str, run_id: str | None, hang_after_s: float | None = None) -> Side:
+    """Read and analyse one side. Raises RecordError or OSError on unreadable input."""
+    analysis, recording, runs = report.analyze(directory, run_id, hang_after_s=hang_after_s)
+    return Side(directory, analysis, recording, runs)
+
+
+# --- figures of one side ---------------------------------------------------------
+
+
+def used_steps(run: RunState) -> list[int]:
+    """Step indices the figures use: all but the first WARMUP_STEPS of the run.
+
+    A run too short to have any step after warm-up keeps all its steps (the
+    sample-size warning says how few).
+    """
+    indices = sorted(run.by_step)
+    return indices[WARMUP_STEPS:] or indices
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+def rank_figures(run: RunState, keep: set[int]) -> list[dict[str, Any]]:
+    """Per rank, medians over its kept steps (ms), its own work and its throughput."""
+    waits = report.allreduce_waits(_only_steps(run, keep))
+    out = []
+    for r in sorted(run.ranks):
+        steps = [s for s in run.ranks[r].steps if s.step in keep]
+        durations = [s.t_end - s.t_start for s in steps]
+        out.append(
+            {
+                "rank": r,
+                "steps_used": len(steps),
+                "step_ms": report._median_ms(durations),
+                "split_ms": {
+                    key: report._median_ms([getattr(s, f) for s in steps])
+                    for key, f in report.SPLIT.items()
+                },
+                # The straggler detector's measure: step time minus the time blocked on the
+                # all-reduce. In synchronous DDP step times even out, own work does not.
+                "own_ms": report._median_ms([s.t_end - s.t_start - s.comm_wait_ns for s in steps]),
+                "allreduce_wait_ms": waits.get(r),
+                "throughput": _throughput(steps),
+            }
+        )
+    return out
+
+
+def _only_steps(run: RunState, keep: set[int]) -> RunState:
+    # report.allreduce_waits reads every step of a run; a view without the warm-up
+    # steps lets it apply the same rule to the steps compared here.
+    view = RunState(run.run_id, history=None)
+    view.ranks = run.ranks
+    view.world_size = run.world_size
+    view.by_step = {s: row for s, row in run.by_step.items() if s in keep}
+    return view
+
+
+def _throughput(steps: Sequence[Step]) -> float | None:
+    # Steps per second of wall time from the first kept step's start to the last one's
+    # end: unlike the median step, it counts what happens between steps (evaluation,
+    # checkpoints, epoch ends).
+    if not steps:
+        return None
+    span = steps[-1].t_end - steps[0].t_start
+    return round(len(steps) * NS / span, 3) if span > 0 else None
+
+
+def bucket_allreduce_ms(run: RunState, keep: set[int]) -> float | None:
+    """Median per step of how long gradient buckets were in flight, in ms.
+
+    Per rank, the time at least one bucket's all-reduce was in flight (the
+    union of launch-to-completion intervals, on the rank's own clock: clocks
+    of two hosts do not compare); per step, the smallest over ranks: the rank
+    that waited least for the others, usually the last to arrive. It overlaps
+    backward by design, so it moves with the cost of communication even when
+    that cost is hidden from the step time.
+    """
+    totals = []
+    for s in keep:
+        row = run.by_step.get(s, {})
+        if not row or len(row) < len(run.ranks):
+            continue
+        spans = [_in_flight(st) for st in row.values()]
+        if all(spans):
+            totals.append(min(spans))
+    return report._median_ms(totals)
+
+
+def _in_flight(st: Step) -> int:
+    # Buckets that never completed (-1) are left out.
+    intervals = sorted(
+        (off, off + dur) for off, dur in zip(st.b_offset_ns, st.b_dur_ns, strict=False) if dur >= 0
+    )
+    total = 0
+    end = None
+    for lo, hi in intervals:
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
+def step_noise(run: RunState, keep: set[int]) -> dict[str, Any]:
+    """How well the median step time is known: its standard error, from the IQR.
+
+    Per step, the median over ranks of the step time; then the standard error
+    of the median of those, 1.2533 x sigma / sqrt(n) with sigma = IQR / 1.349
+    (robust to spikes). Consecutive steps are not independent, so this is a
+    lower bound on the real uncertainty.
+    """
+    series = [
+        statistics.median(st.t_end - st.t_start for st in run.by_step[s].values())
+        for s in sorted(keep)
+        if run.by_step.get(s)
+    ]
+    se: float | None = None
+    iqr: float | None = None
+    if len(series) >= 4:
+        q1, _, q3 = statistics.quantiles(series, n=4)
+        iqr = q3 - q1
+        se = 1.2533 * (iqr / 1.349) / math.sqrt(len(series))
+    return {
+        "n": len(series),
+        "iqr_ms": None if iqr is None else round(iqr / MS, 3),
+        "se_ms": None if se is None else round(se / MS, 3),
+    }
+
+
+def spread(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Slowest rank's median own work over the fastest rank's; None under two ranks."""
+    known = [r for r in ranks if r["own_ms"] is not None]
+    if len(known) < 2:
+        return None
+    slow = max(known, key=lambda r: r["own_ms"])
+    fast = min(known, key=lambda r: r["own_ms"])
+    ratio = slow["own_ms"] / fast["own_ms"] if fast["own_ms"] > 0 else None
+    return {
+        "ratio": None if ratio is None else round(ratio, 3),
+        "slowest_rank": slow["rank"],
+        "fastest_rank": fast["rank"],
+        "slowest_own_ms": slow["own_ms"],
+        "fastest_own_ms": fast["own_ms"],
+    }
+
+
+def figures(run: RunState | None) -> dict[str, Any]:
+    """Everything measured on one side: per rank, the run-level medians, the noise."""
+    if run is None or not run.by_step:
+        return {
+            "warmup_skipped": 0,
+            "steps_used": 0,
+            "ranks": [],
+            "values": dict.fromkeys(METRIC_KEYS),
+            "spread": None,
+            "noise": {"n": 0, "iqr_ms": None, "se_ms": None},
+        }
+    kept = used_steps(run)
+    keep = set(kept)
+    ranks = rank_figures(run, keep)
+    values: dict[str, float | None] = {
+        "step": _median(r["step_ms"] for r in ranks),
+        **{key: _median(r["split_ms"][key] for r in ranks) for key in report.SPLIT},
+        "allreduce_wait": _median(r["allreduce_wait_ms"] for r in ranks),
+        "bucket_allreduce": bucket_allreduce_ms(run, keep),
+        "throughput": _median(r["throughput"] for r in ranks),
+    }
+    sp = spread(ranks)
+    values["spread"] = sp["ratio"] if sp else None
+    return {
+        "warmup_skipped": len(run.by_step) - len(kept),
+        "steps_used": min((r["steps_used"] for r in ranks), default=0),
+        "ranks": ranks,
+        "values": {k: values[k] for k in METRIC_KEYS},
+        "spread": sp,
+        "noise": step_noise(run, keep),
+    }
+
+
+def setup(run: RunState | None, summary: dict[str, Any]) -> dict[str, Any]:
+    """What the run trained and how, for telling whether two runs are comparable."""
+    views = [run.ranks[r] for r in sorted(run.ranks)] if run is not None else []
+    info: RunInfo | None = next((v.info for v in views if v.info is not None), None)
+    training = summary.get("training") or {}
+    count, tensors, signature = _model(info.params if info else [])
+    layout = next((v.layout for v in views if v.layout is not None), None)
+    step_buckets = max((len(s.b_index) for v in views for s in v.steps), default=0)
+    clocks = Counter(s.clock for v in views for s in v.steps)
+    cap = info.ddp.get("bucket_cap_bytes") if info else None
+    return {
+        "world_size": summary["world_size"] or None,
+        "backend": summary["backend"] or None,
+        "device": summary["device"] or None,
+        "clock": clocks.most_common(1)[0][0] if clocks else None,
+        "parameters": count,
+        "parameter_tensors": tensors,
+        "model_signature": signature,
+        "per_rank_batch": training.get("per_rank_batch"),
+        "accumulation": training.get("accumulation"),
+        "global_batch": training.get("global_batch"),
+        "lr": training.get("lr"),
+        "optimizer": training.get("optimizer") or None,
+        "buckets": len(layout.index) if layout is not None else (step_buckets or None),
+        "bucket_cap_mb": round(cap / (1 << 20), 3) if isinstance(cap, (int, float)) else None,
+        "torch": summary["versions"].get("torch"),
+        "hosts": len(summary["hosts"]) or None,
+    }
+
+
+def _model(params: list[list[Any]]) -> tuple[int | None, int | None, str | None]:
+    """Parameter count, tensor count and a hash of names and shapes (None when unknown)."""
+    if not params:
+        return None, None, None
+    count = 0
+    shapes = []
+    for p in params:
+        name = p[0] if p else "?"
+        shape = p[1] if len(p) > 1 and isinstance(p[1], list) else []
+        count += math.prod(d for d in shape if isinstance(d, int))
+        shapes.append([str(name), shape])
+    digest = hashlib.sha1(json.dumps(shapes).encode(), usedforsecurity=False).hexdigest()
+    return count, len(params), digest[:12]
+
+
+# --- the JSON object -------------------------------------------------------------
+
+
+def side_json(side: Side) -> dict[str, Any]:
+    run = report._run_of(side.analysis, side.recording)
+    summary = report.run_summary(run, side.recording, side.runs)
+    book = side.analysis.books.get(run.run_id) if run is not None else None
+    return {
+        "dir": side.directory,
+        "run": summary,
+        "setup": setup(run, summary),
+        "figures": figures(run),
+        "findings": [f.to_json() for f in book.sorted()] if book is not None else [],
+        "problems": report.problems(side.recording, side.analysis),
+    }
+
+
+def build(
+    a: Side,
+    b: Side,
+    threshold_pct: float | None = None,
+    metrics: Sequence[str] = ("step",),
+    new_level: str | None = None,
+) -> dict[str, Any]:
+    """The comparison object documented in docs/compare.md."""
+    ja, jb = side_json(a), side_json(b)
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "warmup_steps": WARMUP_STEPS,
+        "a": ja,
+        "b": jb,
+        "metrics": [metric_row(m, ja, jb) for m in METRICS],
+        "setup": setup_rows(ja["setup"], jb["setup"]),
+        "warnings": warnings(ja, jb),
+        "findings": findings_diff(ja["findings"], jb["findings"]),
+    }
+    doc["verdict"] = verdict(doc, threshold_pct, metrics, new_level)
+    return doc
+
+
+def metric_row(m: Metric, a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    va, vb = a["figures"]["values"][m.key], b["figures"]["values"][m.key]
+    delta = pct = worse = None
+    if va is not None and vb is not None:
+        delta = round(vb - va, 3)
+        if va != 0:
+            pct = round(100 * (vb - va) / abs(va), 1)
+        elif vb == 0:
+            pct = 0.0
+        if pct is not None:
+            worse = -pct if m.higher_is_better else pct
+    return {
+        "name": m.key,
+        "unit": m.unit,
+        "better": "higher" if m.higher_is_better else "lower",
+        "a": va,
+        "b": vb,
+        "delta": delta,
+        "delta_pct": pct,
+        "worse_pct": worse,
+        "noise_pct": _noise_pct(a, b) if m.key == "step" else None,
+    }
+
+
+def _noise_pct(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Two standard errors of the difference of median step times, in % of A's."""
+    sa, sb = a["figures"]["noise"]["se_ms"], b["figures"]["noise"]["se_ms"]
+    base = a["figures"]["values"]["step"]
+    if sa is None or sb is None or not base:
+        return None
+    return round(200 * math.hypot(sa, sb) / base, 1)
+
+
+#: Setup differences that change the work a step does: the runs are not comparable.
+NOT_COMPARABLE = {
+    "world_size": "world size",
+    "model_signature": "model (parameter names and shapes)",
+    "per_rank_batch": "per-rank batch",
+    "accumulation": "gradient accumulation (micro-batches per step)",
+    "clock": "step clock (cpu or cuda timing)",
+}
+
+
+def setup_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    return [
+        {"name": k, "a": a[k], "b": b[k], "same": a[k] == b[k] or None in (a[k], b[k])} for k in a
+    ]
+
+
+def warnings(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """Why the comparison may mislead: different work per step, few steps, open runs."""
+    out = []
+    sa, sb = a["setup"], b["setup"]
+    for key, what in NOT_COMPARABLE.items():
+        if None not in (sa[key], sb[key]) and sa[key] != sb[key]:
+            if key == "model_signature":
+                va = f"{_num(sa['parameters'])} parameters in {sa['parameter_tensors']} tensors"
+                vb = f"{_num(sb['parameters'])} parameters in {sb['parameter_tensors']} tensors"
+            else:
+                va, vb = sa[key], sb[key]
+            out.append(f"{what} differs: A {va}, B {vb}; a step does different work")
+    if os.path.realpath(a["run"]["path"]) == os.path.realpath(b["run"]["path"]):
+        out.append("A and B are the same run")
+    used = (a["figures"]["steps_used"], b["figures"]["steps_used"])
+    for label, side in (("A", a), ("B", b)):
+        if not side["figures"]["ranks"] or not side["figures"]["steps_used"]:
+            out.append(f"{label} has no completed step: nothing to compare")
+        if side["run"]["still_writing"]:
+            out.append(f"{label} is still being written (a live or hung job): figures may change")
+        if side["problems"]:
+            out.append(
+                f"{label}'s recording has {len(side['problems'])} problem(s); "
+                f"`ddpscope report {side['dir']}` lists them"
+            )
+    if 0 < min(used) < FEW_STEPS:
+        out.append(
+            f"few steps: A {used[0]}, B {used[1]} per rank after warm-up; "
+            "differences of a few percent may be noise"
+        )
+    return out
+
+
+def findings_diff(fa: list[dict[str, Any]], fb: list[dict[str, Any]]) -> dict[str, Any]:
+    """Finding kinds on each side: only in A, only in B, in both."""
+    ka, kb = _by_kind(fa), _by_kind(fb)
+    rows: list[dict[str, Any]] = []
+    for kind in sorted(set(ka) | set(kb)):
+        where = "both" if kind in ka and kind in kb else ("a" if kind in ka else "b")
+        row: dict[str, Any] = {"kind": kind, "in": where, "a": ka.get(kind), "b": kb.get(kind)}
+        rows.append(row)
+    order = {"b": 0, "both": 1, "a": 2}
+
+    def worst(row: dict[str, Any]) -> int:
+        return max(SEVERITIES.index(s["severity"]) for s in (row["a"], row["b"]) if s)
+
+    rows.sort(key=lambda r: (order[r["in"]], -worst(r), r["kind"]))
+    return {
+        "only_a": [r["kind"] for r in rows if r["in"] == "a"],
+        "only_b": [r["kind"] for r in rows if r["in"] == "b"],
+        "both": [r["kind"] for r in rows if r["in"] == "both"],
+        "kinds": rows,
+    }
+
+
+def _by_kind(findings: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for f in findings:
+        k = out.setdefault(f["kind"], {"severity": f["severity"], "count": 0, "ranks": []})
+        k["count"] += 1
+        k["severity"] = max(k["severity"], f["severity"], key=SEVERITIES.index)
+        k["ranks"] = sorted(set(k["ranks"]) | set(f["ranks"]))
+    return out
+
+
+# --- verdict -------------------------------------------------------------------------
+
+
+def verdict(
+    doc: dict[str, Any],
+    threshold_pct: float | None,
+    metrics: Sequence[str],
+    new_level: str | None,
+) -> dict[str, Any] | None:
+    """The CI gate: regressions past the threshold, new findings at a level. None: no gate."""
+    if threshold_pct is None and new_level is None:
+        return None
+    rows = {r["name"]: r for r in doc["metrics"]}
+    checks = []
+    if threshold_pct is not None:
+        for key in metrics:
+            r = rows[key]
+            checks.append(
+                {"metric": key, "worse_pct": r["worse_pct"], "status": _check(r, threshold_pct)}
+            )
+    new: list[str] = []
+    if new_level is not None:
+        for row in doc["findings"]["kinds"]:
+            a, b = row["a"], row["b"]
+            if (
+                b
+                and severity_at_least(b["severity"], new_level)
+                and not (a and severity_at_least(a["severity"], new_level))
+            ):
+                new.append(row["kind"])
+    unknown = [c["metric"] for c in checks if c["status"] == "unknown"]
+    failed = [c["metric"] for c in checks if c["status"] == "fail"]
+    return {
+        "threshold_pct": threshold_pct,
+        "metrics": list(metrics) if threshold_pct is not None else [],
+        "checks": checks,
+        "new_findings_level": new_level,
+        "new_findings": new,
+        "regressed": failed,
+        "unknown": unknown,
+        "result": "unknown" if unknown else ("fail" if failed or new else "pass"),
+    }
+
+
+def _check(row: dict[str, Any], threshold_pct: float) -> str:
+    a, b = row["a"], row["b"]
+    if a is None or b is None:
+        return "unknown"
+    if row["worse_pct"] is None:  # A is 0: any move the wrong way is past any threshold
+        worse = b < a if row["better"] == "higher" else b > a
+        return "fail" if worse else "pass"
+    return "fail" if row["worse_pct"] > threshold_pct else "pass"
+
+
+# --- text ----------------------------------------------------------------------------
+
+
+def render_text(doc: dict[str, Any]) -> str:
+    lines = header_lines(doc)
+    if doc["warnings"]:
+        lines += ["", "warnings (the comparison may mislead):"]
+        for w in doc["warnings"]:
+            lines += textwrap.wrap(w, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    lines += ["", *setup_lines(doc["setup"])]
+    lines += ["", *metric_lines(doc)]
+    lines += ["", *rank_lines(doc)]
+    lines += ["", *findings_lines(doc["findings"])]
+    if doc["verdict"] is not None:
+        lines += ["", *verdict_lines(doc["verdict"])]
+    return "\n".join(lines) + "\n"
+
+
+def header_lines(doc: dict[str, Any]) -> list[str]:
+    a, b = doc["a"], doc["b"]
+    lines = [_fit(f"ddpscope compare: A = run {a['run']['id']}, B = run {b['run']['id']}")]
+    for label, side in (("A", a), ("B", b)):
+        run = side["run"]
+        parts = [
+            f"{run['ranks_seen']} of {run['world_size']} ranks"
+            if run["world_size"] and run["ranks_seen"] != run["world_size"]
+            else report._count(run["ranks_seen"], "rank"),
+            "/".join(x for x in (run["backend"], run["device"]) if x),
+            report._count(run["steps"], "step"),
+            "ended" if run["status"] == "ended" else "open (no end message)",
+        ]
+        lines.append(f"  {label}  " + " · ".join(p for p in parts if p))
+        lines.append("     " + _fit(run["path"], WIDTH - 5))
+    fa, fb = a["figures"], b["figures"]
+    skipped = doc["warmup_steps"]
+    lines.append(
+        f"  sample: A {fa['steps_used']}, B {fb['steps_used']} steps per rank "
+        f"(the first {skipped} steps of each run skipped as warm-up)"
+    )
+    return lines
+
+
+_SETUP_LABELS = {
+    "world_size": "world size",
+    "backend": "backend",
+    "device": "device",
+    "clock": "step clock",
+    "parameters": "parameters",
+    "parameter_tensors": "parameter tensors",
+    "model_signature": "model signature",
+    "per_rank_batch": "per-rank batch",
+    "accumulation": "accumulation",
+    "global_batch": "global batch",
+    "lr": "learning rate",
+    "optimizer": "optimizer",
+    "buckets": "DDP buckets",
+    "bucket_cap_mb": "bucket cap (MB)",
+    "torch": "torch",
+    "hosts": "hosts",
+}
+
+
+_DETAIL = ("parameter_tensors", "model_signature")
+
+
+def setup_lines(rows: list[dict[str, Any]]) -> list[str]:
+    out = ["setup" + " " * 19 + "A".rjust(26) + "B".rjust(28)]
+    for r in rows:
+        if r["name"] in _DETAIL and r["same"]:
+            continue  # the parameter count says enough unless the models differ
+        note = "" if r["same"] else "  differs"
+        a, b = _value(r["a"]), _value(r["b"])
+        out.append(
+            f"  {_SETUP_LABELS.get(r['name'], r['name']):<22}{_fit(a, 26):>26}  {_fit(b, 26):>26}"
+            f"{note}"
+        )
+    return out
+
+
+def metric_lines(doc: dict[str, Any]) -> list[str]:
+    out = [f"{'per step (ms)':<24}{'A':>14}{'B':>14}{'delta':>10}"]
+    spreads = {"a": doc["a"]["figures"]["spread"], "b": doc["b"]["figures"]["spread"]}
+    for row in doc["metrics"]:
+        m = _BY_KEY[row["name"]]
+        if m.key == "spread":
+            a, b = _spread(spreads["a"]), _spread(spreads["b"])
+        else:
+            a, b = _metric_value(row["a"], m), _metric_value(row["b"], m)
+        label = m.label if m.unit == "ms" or m.key == "spread" else f"{m.label} ({m.unit})"
+        note = ""
+        if row["noise_pct"] is not None:
+            within = row["delta_pct"] is not None and abs(row["delta_pct"]) < row["noise_pct"]
+            note = f"  noise ±{row['noise_pct']:.1f}%" + (": within noise" if within else "")
+        out.append(f"  {label:<22}{a:>14}{b:>14}{_delta(row):>10}{note}".rstrip())
+    out.append("  (medians per step: each rank's median after warm-up, then the median over ranks;")
+    out.append("   spread: slowest rank's own work over the fastest's, as slowest/fastest rank)")
+    return out
+
+
+#: Ranks listed one per line up to this world size; beyond it, only the spread's ranks.
+RANK_LINES = 8
+
+
+def rank_lines(doc: dict[str, Any]) -> list[str]:
+    """Own work and all-reduce wait per rank: who got slower, who waits for whom."""
+    fa, fb = doc["a"]["figures"], doc["b"]["figures"]
+    by_a = {r["rank"]: r for r in fa["ranks"]}
+    by_b = {r["rank"]: r for r in fb["ranks"]}
+    ranks = sorted(set(by_a) | set(by_b))
+    if len(ranks) > RANK_LINES:
+        named = {sp[k] for sp in (fa["spread"], fb["spread"]) if sp for k in SPREAD_RANKS}
+        ranks = sorted(named)
+    if not ranks:
+        return []
+    out = [
+        f"{'per rank (ms)':<16}{'A own':>12}{'A ar-wait':>12}{'B own':>12}{'B ar-wait':>12}"
+        f"{'own delta':>12}"
+    ]
+    for r in ranks:
+        a, b = by_a.get(r, {}), by_b.get(r, {})
+        own_a, own_b = a.get("own_ms"), b.get("own_ms")
+        delta = "-"
+        if own_a and own_b is not None:
+            delta = f"{100 * (own_b - own_a) / own_a:+.1f}%"
+        wait_a, wait_b = a.get("allreduce_wait_ms"), b.get("allreduce_wait_ms")
+        out.append(
+            f"  {'rank ' + str(r):<14}{report._ms(own_a):>12}{report._ms(wait_a):>12}"
+            f"{report._ms(own_b):>12}{report._ms(wait_b):>12}{delta:>12}"
+        )
+    if len(ranks) < len(set(by_a) | set(by_b)):
+        out.append("  (only the slowest and fastest ranks of each side)")
+    out.append("  (own = step time minus the time blocked on the all-reduce)")
+    return out
+
+
+SPREAD_RANKS = ("slowest_rank", "fastest_rank")
+
+
+def findings_lines(diff: dict[str, Any]) -> list[str]:
+    rows = diff["kinds"]
+    if not rows:
+        return ["findings: none on either side"]
+    out = [f"{'findings (by kind)':<24}{'A':>24}  {'B':>24}"]
+    where = {"a": "gone in B", "b": "new in B", "both": ""}
+    for r in rows:
+        a, b = _kind_cell(r["a"]), _kind_cell(r["b"])
+        line = f"  {_fit(r['kind'], 22):<22}{_fit(a, 24):>24}  {_fit(b, 24):>24}  {where[r['in']]}"
+        out.append(line.rstrip())
+    return out
+
+
+def verdict_lines(v: dict[str, Any]) -> list[str]:
+    out = [f"verdict: {v['result'].upper()}"]
+    for c in v["checks"]:
+        worse = "n/a" if c["worse_pct"] is None else f"{c['worse_pct']:+.1f}%"
+        what = {"fail": "worse by more than", "pass": "within", "unknown": "cannot tell:"}
+        tail = "no value on one side" if c["status"] == "unknown" else f"{v['threshold_pct']:g}%"
+        out.append(f"  {c['metric']}: B {worse} vs A, {what[c['status']]} {tail}")
+    if v["new_findings_level"] is not None:
+        kinds = ", ".join(v["new_findings"]) or "none"
+        out.append(f"  findings new in B at {v['new_findings_level']} or above: {kinds}")
+    return out
+
+
+def _value(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, int) and not isinstance(v, bool):
+        return _num(v)
+    return str(v)
+
+
+def _num(v: int | None) -> str:
+    return "-" if v is None else f"{v:,}"
+
+
+def _metric_value(v: float | None, m: Metric) -> str:
+    if v is None:
+        return "-"
+    if m.unit == "ms":
+        return report._ms(v)
+    return f"{v:.2f}" if v < 1000 else f"{v:.0f}"
+
+
+def _spread(sp: dict[str, Any] | None) -> str:
+    if sp is None or sp["ratio"] is None:
+        return "-"
+    return f"{sp['ratio']:.2f} r{sp['slowest_rank']}/r{sp['fastest_rank']}"
+
+
+def _delta(row: dict[str, Any]) -> str:
+    if row["delta"] is None:
+        return "-"
+    if row["delta_pct"] is None:
+        return "from 0"
+    return f"{row['delta_pct']:+.1f}%" if row["delta_pct"] else "0.0%"
+
+
+def _kind_cell(k: dict[str, Any] | None) -> str:
+    if k is None:
+        return "-"
+    ranks = k["ranks"]
+    who = "" if not ranks else f", {report._ranks(ranks)}"
+    return f"{k['severity']} x{k['count']}{who}"
+
+
+def _fit(text: str, width: int = WIDTH) -> str:
+    """``text`` cut to ``width`` from the left (paths: the end says the most)."""
+    return text if len(text) <= width else "..." + text[len(text) - width + 3 :]
