@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -457,3 +458,41 @@ def drive(app: ReplayApp, scenario: Callable[[Pilot[None]], Awaitable[None]]) ->
             await scenario(pilot)
 
     asyncio.run(main())
+
+
+def test_hosts_with_unrelated_monotonic_clocks_are_lined_up_by_their_wall_clocks(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's host booted three days before rank 0's: its monotonic times are far ahead."""
+    days = 3 * 86_400 * 10**9
+    msgs = synth.sequenced([*synth.run_infos(2), *synth.lockstep(2, 60, synth.constant())])
+    writers: dict[int, RecordWriter] = {}
+    for m in msgs:
+        shift = days if m.rank == 1 else 0
+        w = writers.get(m.rank)
+        if w is None:
+            header = {
+                "run_id": synth.RUN,
+                "rank": m.rank,
+                "host": f"node{m.rank}",
+                "mono_ns": shift,
+                "wall_ns": 1_700_000_000_000_000_000,
+            }
+            w = writers[m.rank] = RecordWriter(str(tmp_path), synth.RUN, m.rank, header)
+        w.append(encode(dataclasses.replace(m, t=m.t + shift)))
+    for w in writers.values():
+        w.close()
+    began = time.monotonic()
+    feed = open_feed(tmp_path)
+    try:
+        wait_indexed(feed, timeout=10)
+        took = time.monotonic() - began
+        feed.seek_step(30)
+        status = feed.idle()
+        snap = feed.snapshot()
+    finally:
+        feed.stop()
+    # Not three days of 250 ms ticks (a million), and both ranks at the same step.
+    assert took < 5
+    assert status.step == 30 and [r.step for r in snap.rows] == [31, 31]
+    assert (status.end_t - status.first_t) < 2 * 10**9  # the run as it ran: 1.5 s

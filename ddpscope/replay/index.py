@@ -57,12 +57,28 @@ class Moment:
     findings: tuple[FindingView, ...]
 
 
-class Stream:
-    """One rank file's records, in file order, as the pass found them."""
+def clock_anchor(rf: RankFile) -> int | None:
+    """Wall minus monotonic time of the file's process, from its header (None: unknown)."""
+    wall, mono = rf.header.get("wall_ns"), rf.header.get("mono_ns")
+    if isinstance(wall, int) and isinstance(mono, int):
+        return wall - mono
+    return None
 
-    def __init__(self, rf: RankFile) -> None:
+
+class Stream:
+    """One rank file's records, in file order, as the pass found them.
+
+    Times are on the replay's clock: the monotonic clock of the first host,
+    to which other hosts' times are moved by the difference of their hosts'
+    wall-clock anchors (so hosts line up as well as their wall clocks agree;
+    ranks of one host keep their exact relative order).
+    """
+
+    def __init__(self, rf: RankFile, shift: int = 0) -> None:
         self.file = rf
         self.rank = rf.rank
+        #: Added to the file's monotonic times to put them on the replay's clock.
+        self.shift = shift
         #: Running maximum of record times: the records a replay at time T has
         #: applied are exactly the prefix ``tmax[i] <= T`` (files are in write
         #: order, which is time order but for a few records).
@@ -88,7 +104,7 @@ class Stream:
 
     def add(self, offset: int, msg: Message) -> None:
         pos = len(self.offset)
-        self._last_t = max(self._last_t, msg.t)
+        self._last_t = max(self._last_t, msg.t + self.shift)
         self.tmax.append(self._last_t)
         self.offset.append(offset)
         code = KIND_CODE[msg.KIND]
@@ -129,7 +145,11 @@ class RecordingIndex:
     ) -> None:
         self.run = run
         self.follow = follow
-        self.streams: list[Stream] = [Stream(rf) for rf in sorted(run.files, key=_file_order)]
+        self._host_anchor: dict[str, int] = {}
+        self.reference_anchor: int | None = None
+        self.streams: list[Stream] = [
+            Stream(rf, self._shift(rf)) for rf in sorted(run.files, key=_file_order)
+        ]
         self.analysis = Analysis(detectors, history=MAX_HISTORY)
         self.moments: list[Moment] = []
         self._moment_t = array("q")
@@ -179,6 +199,18 @@ class RecordingIndex:
     def stop(self) -> None:
         self._stop.set()
 
+    def _shift(self, rf: RankFile) -> int:
+        anchor = clock_anchor(rf)
+        if anchor is None:
+            return 0
+        host = str(rf.header.get("host", ""))
+        # One anchor per host: its ranks share a monotonic clock, and their
+        # own anchors differ only by when each process took them.
+        anchor = self._host_anchor.setdefault(host, anchor)
+        if self.reference_anchor is None:
+            self.reference_anchor = anchor
+        return anchor - self.reference_anchor
+
     # --- the pass ------------------------------------------------------------------
 
     def run_pass(self) -> None:
@@ -207,7 +239,7 @@ class RecordingIndex:
                         self._moment(next_tick)
                         next_tick += TICK_NS
                     stream.add(offset, msg)
-                    self._observe(msg)
+                    self._observe(msg, t)
                     run = self.analysis.feed(msg, t)
                     if run.world_size:
                         run.history = max(
@@ -248,7 +280,7 @@ class RecordingIndex:
                 self.problems.append(f"{rf.path}: record at byte {offset} skipped: {exc}")
                 continue
             n += 1
-            heapq.heappush(window, (msg.t, n, offset, msg))
+            heapq.heappush(window, (msg.t + stream.shift, n, offset, msg))
             if len(window) > REORDER:
                 t, _, off, m = heapq.heappop(window)
                 yield t, stream, off, m
@@ -265,13 +297,13 @@ class RecordingIndex:
                 self.problems.extend(rf.problems)
                 rf.problems.clear()
 
-    def _observe(self, msg: Message) -> None:
+    def _observe(self, msg: Message, t: int) -> None:
         if isinstance(msg, Step):
             seen = self._step_seen.get(msg.step, 0) + 1
             self._step_seen[msg.step] = seen
             if seen >= max(self.ranks_expected, 1) or msg.step not in self.step_done:
                 # Until every rank has it, the step counts from its first report.
-                self.step_done[msg.step] = msg.t
+                self.step_done[msg.step] = t
         elif isinstance(msg, RunInfo):
             self.ranks_expected = max(self.ranks_expected, msg.world_size)
         elif isinstance(msg, End):
@@ -306,7 +338,7 @@ class RecordingIndex:
                 continue  # a header still being written: look again next time
             self.run.files.append(rf)
             with self.lock:
-                self.streams.append(Stream(rf))
+                self.streams.append(Stream(rf, self._shift(rf)))
         self.total_bytes = sum(_size(s.file.path) for s in self.streams)
 
     def _note_missing_ranks(self) -> None:

@@ -452,12 +452,8 @@ class ReplayFeed:
         return monitor
 
     def _wall_offset(self) -> int:
-        for s in self.index.streams:
-            h = s.file.header
-            wall, mono = h.get("wall_ns"), h.get("mono_ns")
-            if isinstance(wall, int) and isinstance(mono, int):
-                return wall - mono
-        return 0
+        # The replay's clock is the first host's monotonic clock.
+        return self.index.reference_anchor or 0
 
     def _update_status(self) -> None:
         index = self.index

@@ -1,0 +1,192 @@
+"""Replay at scale: open a 64-rank x 10,000-step recording, show the first screen, seek.
+
+Writes (once; kept with --dir) a synthetic recording shaped like a real one:
+64 ranks in lockstep DDP (tests/synth.py's simulation), 8 gradient buckets,
+a heartbeat every 10 steps, a straggler from step 6,000 on, an end message
+per rank; written with the real RecordWriter, one file per rank. Then, in
+this process:
+
+- first screen: from the command's start (finding the run, opening the
+  files) to the first snapshot of the run with every rank's row, and to the
+  Textual app (headless, driven by its Pilot) showing the run in its header.
+  Goal: under 3 s.
+- memory: RSS after the first screen and once the background index pass
+  has read the whole recording (and how long that pass took).
+- seeking: N jumps to random steps after the index is complete, each timed
+  from the command to the snapshot built at the target. Goal: under 0.5 s.
+
+    python benchmarks/replay_open.py                      # JSON on stdout
+    python benchmarks/replay_open.py --dir /tmp/rec64 --seeks 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # tests/synth.py: the shared synthetic stream
+
+from synth import MS, Phases, healthy, lockstep, run_infos, straggler  # noqa: E402
+
+from ddpscope.analysis.snapshot import SnapshotRequest  # noqa: E402
+from ddpscope.record.reader import find_runs  # noqa: E402
+from ddpscope.record.writer import RecordWriter  # noqa: E402
+from ddpscope.replay.index import RecordingIndex  # noqa: E402
+from ddpscope.replay.player import ReplayFeed  # noqa: E402
+from ddpscope.schema import End, encode  # noqa: E402
+
+RUN = "bench-replay"
+BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)
+CHUNK = 100  # steps simulated at a time: the whole run would not fit in memory decoded
+
+
+def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Path:
+    rng = random.Random(0)
+    timing = straggler(healthy(rng, BASE), rank=world // 2, start=steps * 6 // 10, factor=1.6)
+    writers: dict[int, RecordWriter] = {}
+    seq: dict[int, int] = {}
+    last_t = 0
+
+    def write(msgs: list) -> None:  # type: ignore[type-arg]
+        for m in msgs:
+            w = writers.get(m.rank)
+            if w is None:
+                header = {"run_id": RUN, "rank": m.rank, "mono_ns": m.t}
+                header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
+                w = writers[m.rank] = RecordWriter(str(directory), RUN, m.rank, header)
+            n = seq.get(m.rank, 0)
+            seq[m.rank] = n + 1
+            w.append(encode(dataclasses.replace(m, seq=n)))
+
+    write(run_infos(world, run=RUN))
+    start = 1_000 * MS
+    for first in range(0, steps, CHUNK):
+        chunk = lockstep(
+            world,
+            min(CHUNK, steps - first),
+            timing,
+            run=RUN,
+            buckets=buckets,
+            first_step=first,
+            start_ns=start,
+            heartbeat_every=10,
+        )
+        write(chunk)
+        last_t = max(m.t for m in chunk)
+        start = last_t + 1
+    end = last_t + 10 * MS
+    write([End(run=RUN, rank=r, t=end, step=steps, reason="exit") for r in range(world)])
+    for w in writers.values():
+        w.close()
+    return directory
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def first_screen_feed(directory: Path) -> tuple[float, ReplayFeed]:
+    began = time.perf_counter()
+    feed = ReplayFeed(RecordingIndex(find_runs(str(directory))[-1]))
+    feed.start()
+    limit = time.monotonic() + 120
+    while time.monotonic() < limit:
+        snap = feed.snapshot(SnapshotRequest(series=True))
+        if snap.header is not None and all(r.step > 0 for r in snap.rows):
+            return time.perf_counter() - began, feed
+        time.sleep(0.01)
+    raise SystemExit("the replay showed no run within 120 s")
+
+
+def first_screen_app(directory: Path) -> float:
+    from ddpscope.ui.replay import ReplayApp
+
+    began = time.perf_counter()
+    feed = ReplayFeed(RecordingIndex(find_runs(str(directory))[-1]))
+    feed.start()
+    app = ReplayApp(feed)
+    shown = 0.0
+
+    async def main() -> None:
+        nonlocal shown
+        async with app.run_test(size=(160, 48)) as pilot:
+            limit = time.monotonic() + 120
+            while RUN not in app.header.plain or not app.ranks.rows:
+                if time.monotonic() > limit:
+                    raise SystemExit("the replay app showed no run within 120 s")
+                await pilot.pause(0.01)
+            shown = time.perf_counter() - began
+            await pilot.press("q")
+
+    try:
+        asyncio.run(main())
+    finally:
+        feed.stop()
+    return shown
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dir", help="where the recording is (written there if missing)")
+    ap.add_argument("--world", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--buckets", type=int, default=8)
+    ap.add_argument("--seeks", type=int, default=20)
+    args = ap.parse_args()
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-replay-bench-"))
+    out: dict[str, object] = {"world": args.world, "steps": args.steps, "buckets": args.buckets}
+    if not (directory / "complete").exists():  # written whole before, or (re)write it
+        for old in directory.rglob("*.ddps"):
+            old.unlink()
+        began = time.perf_counter()
+        write_recording(directory, args.world, args.steps, args.buckets)
+        (directory / "complete").write_text(f"{args.world} {args.steps} {args.buckets}\n")
+        out["write_s"] = round(time.perf_counter() - began, 1)
+    out["recording_mb"] = round(sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20)
+    out["rss_before_mb"] = round(rss_mb())
+
+    out["first_screen_app_s"] = round(first_screen_app(directory), 3)
+    took, feed = first_screen_feed(directory)
+    out["first_screen_feed_s"] = round(took, 3)
+    out["rss_first_screen_mb"] = round(rss_mb())
+    began = time.perf_counter()
+    while not feed.index.done:
+        time.sleep(0.05)
+    out["index_pass_s"] = round(took + time.perf_counter() - began, 1)
+    out["index_records"] = feed.index.records
+    out["rss_indexed_mb"] = round(rss_mb())
+
+    rng = random.Random(1)
+    seeks = []
+    for _ in range(args.seeks):
+        target = rng.randrange(args.steps)
+        began = time.perf_counter()
+        feed.seek_step(target)
+        status = feed.idle()
+        snap = feed.snapshot(SnapshotRequest(series=True, buckets=True))
+        seeks.append(time.perf_counter() - began)
+        assert status.step == target, (status.step, target)
+        assert all(r.step == target + 1 for r in snap.rows), "every rank stands at the target"
+    out["seek_median_s"] = round(statistics.median(seeks), 3)
+    out["seek_max_s"] = round(max(seeks), 3)
+    out["rss_after_seeks_mb"] = round(rss_mb())
+    feed.stop()
+    out["dir"] = str(directory)
+    out["pid_cpu_count"] = os.cpu_count()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
