@@ -126,6 +126,10 @@ def test_health_counts_drops_rejects_and_measures_lag(endpoint: str) -> None:
         snap = feed.snapshot()
     assert snap.health.dropped == 2  # the sequence gap on rank 1
     assert snap.health.rejected == 2
+    assert dict(snap.health.rejected_reasons) == {
+        "not a msgpack message": 1,
+        "rank outside the world": 1,
+    }
     assert snap.health.received == len(kept) + 2
     # "Now" is 20 ms after the newest steps were created (the send delay); steps
     # created earlier waited longer: 20, 20, 120, 120, 220, 320, 420, 420 ms.

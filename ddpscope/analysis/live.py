@@ -53,9 +53,14 @@ class LiveFeed:
         clock: Clock | None = None,
         freeze_gc: bool = False,
         subscriber: Subscriber | None = None,
+        catch_up: str | None = None,
     ) -> None:
         """``subscriber``: an already bound one (with keys, say); by default one
         is bound at ``endpoint``. The feed owns it either way and closes it.
+
+        ``catch_up``: a record directory; before listening, the newest run
+        there is read in, so a watcher started (or restarted) mid-run shows
+        the run's history, not only what arrives from now on.
 
         ``freeze_gc``: after each snapshot, move every object alive into the
         garbage collector's permanent generation (``gc.freeze``). For a watcher
@@ -81,6 +86,10 @@ class LiveFeed:
         #: Why the thread stopped.
         self.error = ""
         self.freeze_gc = freeze_gc
+        self.catch_up = catch_up
+        #: Messages read from the record files before listening, and why not (if not).
+        self.caught_up = 0
+        self.catch_up_note = ""
         self._thread = threading.Thread(target=self._run, name="ddpscope-ingest", daemon=True)
 
     @property
@@ -151,6 +160,8 @@ class LiveFeed:
         next_tick = time.monotonic()
         take = self.monitor.take
         try:
+            if self.catch_up:
+                self._catch_up(self.catch_up)
             while not self._stop.is_set():
                 self._send_requests()
                 msg = self._sub.recv(POLL_MS)
@@ -177,6 +188,30 @@ class LiveFeed:
                 self._publish(self._want or SnapshotRequest())
             except Exception:
                 pass
+
+    def _catch_up(self, directory: str) -> None:
+        from ddpscope.analysis.sources import merged
+        from ddpscope.record import RecordError, open_run
+
+        try:
+            recording = open_run(directory)
+        except (RecordError, OSError) as exc:
+            self.catch_up_note = f"no catch-up from {directory}: {exc}"
+            return
+        # Sender monotonic times onto this process's monotonic clock, through
+        # each rank's wall-clock anchor (exact on one host, NTP-good across hosts).
+        here = time.time_ns() - time.monotonic_ns()
+        shift: dict[int, int] = {}
+        for rf in recording.run.files:
+            wall, mono = rf.header.get("wall_ns"), rf.header.get("mono_ns")
+            if isinstance(wall, int) and isinstance(mono, int):
+                shift.setdefault(rf.rank, wall - mono - here)
+        for msg in merged(recording):
+            if self._stop.is_set():
+                return
+            self.monitor.take(msg, msg.t + shift.get(msg.rank, 0))
+            self.caught_up += 1
+        self.monitor.tick()
 
     def _send_requests(self) -> None:
         run = self.monitor.analysis.latest
@@ -215,7 +250,9 @@ class LiveFeed:
         return FeedStats(
             received=received,
             rejected=sum(self._sub.rejected.values()),
+            rejected_reasons=tuple(self._sub.rejected.most_common(3)),
             rate=self._rate,
             busy=self._busy_share,
             error=self.error,
+            note=self.catch_up_note,
         )

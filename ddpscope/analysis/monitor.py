@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +41,8 @@ log = logging.getLogger("ddpscope")
 STEP_BUDGET = 16_384
 #: Bounds on steps kept per rank, whatever the world size (1,024 ranks: 32 each).
 MIN_HISTORY, MAX_HISTORY = 32, 512
+#: Rejection reasons a snapshot carries (the commonest).
+REASONS_SHOWN = 3
 
 
 class Clock(Protocol):
@@ -74,8 +77,9 @@ class FeedStats:
     """What the feeding side knows about its input, for the health line."""
 
     received: int = 0
-    #: Refused before they reached the monitor (undecodable, oversized).
+    #: Refused before they reached the monitor (undecodable, oversized), and by reason.
     rejected: int = 0
+    rejected_reasons: tuple[tuple[str, int], ...] = ()
     rate: float = -1.0
     busy: float = 0.0
     #: Why feeding stopped ("" while it runs).
@@ -133,10 +137,11 @@ class Monitor:
 
     # --- feeding -----------------------------------------------------------------
 
-    def take(self, msg: Message) -> None:
-        """Ingest one message; one odd message must never stop the monitor."""
+    def take(self, msg: Message, rx_ns: int | None = None) -> None:
+        """Ingest one message (received at ``rx_ns``, default now); one odd
+        message must never stop the monitor."""
         try:
-            self._ingest(msg)
+            self._ingest(msg, self.clock.mono_ns() if rx_ns is None else rx_ns)
         except Exception as exc:
             self.ingest_errors += 1
             self.last_ingest_error = f"{msg.KIND} from rank {msg.rank}: {type(exc).__name__}: {exc}"
@@ -144,8 +149,7 @@ class Monitor:
     def tick(self) -> None:
         self.analysis.tick(self.clock.mono_ns())
 
-    def _ingest(self, msg: Message) -> None:
-        rx = self.clock.mono_ns()
+    def _ingest(self, msg: Message, rx: int) -> None:
         run = self.analysis.feed(msg, rx)
         if run.world_size:
             # Bound memory by the run's size: history per rank shrinks as ranks grow.
@@ -240,10 +244,12 @@ class Monitor:
 
     def _health(self, run: RunState | None, stats: FeedStats, now_mono: int) -> Health:
         rejected = stats.rejected
+        reasons: Counter[str] = Counter(dict(stats.rejected_reasons))
         dropped = 0
         silent: tuple[int, ...] = ()
         if run is not None:
             rejected += sum(run.rejected.values())
+            reasons.update(run.rejected)
             for view in run.ranks.values():
                 if stats.gaps < 0:
                     dropped += view.missing
@@ -270,6 +276,7 @@ class Monitor:
             busy=stats.busy,
             detectors=len(self.analysis.detectors),
             detector_note=note,
+            rejected_reasons=tuple(reasons.most_common(REASONS_SHOWN)),
         )
 
     def _finding_views(self, run_id: str, book: FindingBook) -> tuple[FindingView, ...]:

@@ -36,6 +36,8 @@ class Health:
     detectors: int
     #: Why detectors are missing or failing ("" when all is well).
     detector_note: str
+    #: What ``rejected`` was, by reason, commonest first (at most a few).
+    rejected_reasons: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

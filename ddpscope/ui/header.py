@@ -61,6 +61,7 @@ def health_line(health: Health) -> Text:
         (fmt.count(health.dropped), "bold yellow" if health.dropped else ""),
         ("  rejected ", "dim"),
         (fmt.count(health.rejected), "bold yellow" if health.rejected else ""),
+        (_reasons(health), "yellow"),
         ("  silent ", "dim"),
         (
             fmt.ranks(list(health.silent), 4) if health.silent else "0",
@@ -72,6 +73,12 @@ def health_line(health: Health) -> Text:
     if health.detector_note:
         parts.append(("  " + health.detector_note, "yellow"))
     return Text.assemble(*parts)
+
+
+def _reasons(health: Health) -> str:
+    if not health.rejected_reasons:
+        return ""
+    return " (" + ", ".join(f"{why} {n}" for why, n in health.rejected_reasons) + ")"
 
 
 def state_badge(snapshot: Snapshot | None, situation: Situation) -> Text:

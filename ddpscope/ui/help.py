@@ -37,7 +37,11 @@ HEALTH = (
         "messages lost on the way: gaps in the ranks' sequence numbers plus what ranks dropped "
         "from their own full queue. A steady climb means the watcher or the network is too slow.",
     ),
-    ("rejected", "messages refused: undecodable, another schema version, absurd values"),
+    (
+        "rejected",
+        "messages refused: undecodable, oversized, another schema version, absurd values, a "
+        "rank outside the world; the commonest reasons follow in brackets",
+    ),
     ("silent", "ranks the run says exist that sent nothing for 5 s (or never did)"),
     (
         "lag",
