@@ -38,7 +38,7 @@ from ddpscope.analysis.detectors.straggler import bucket_waits
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
-from ddpscope.analysis.sources import merged, replay
+from ddpscope.analysis.sources import replay_recording
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
 from ddpscope.schema import End, Heartbeat, RunInfo
@@ -101,7 +101,7 @@ def analyze(
         (m.script for ms in recording.messages.values() for m in ms if isinstance(m, RunInfo)), ""
     )
     prime_from_runs(analysis.detectors, runs, recording.run, script)
-    replay(merged(recording), analysis)
+    replay_recording(recording, analysis)
     if not still_writing(recording):
         finish(analysis)
     return analysis, recording, runs

@@ -8,22 +8,43 @@ have raised at that moment.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.record import Recording, open_run
+from ddpscope.record.clocks import HostClocks
 from ddpscope.schema import Message
 
 #: Replays tick the detectors every this many ns of recorded time.
 TICK_NS = 250_000_000
 
 
-def merged(recording: Recording) -> Iterator[Message]:
-    """All ranks' messages in the order they were created (sender clocks)."""
+def rank_shifts(recording: Recording) -> dict[int, int]:
+    """Per rank, ns that put its times on the first host's clock (record/clocks.py)."""
+    clocks = HostClocks()
+    shifts: dict[int, int] = {}
+    for rf in sorted(recording.run.files, key=lambda f: f.path):
+        shifts.setdefault(rf.rank, clocks.shift(rf.header))
+    return shifts
+
+
+def merged(recording: Recording, shifts: Mapping[int, int] | None = None) -> Iterator[Message]:
+    """All ranks' messages in the order they were created, hosts lined up by ``shifts``."""
+    shifts = rank_shifts(recording) if shifts is None else shifts
+
+    def key(m: Message) -> int:
+        return m.t + shifts.get(m.rank, 0)
+
     # Within a rank, write order is not strictly time order (a queued step is
     # written after a heartbeat emitted later), so sort before merging.
-    streams = [sorted(msgs, key=lambda m: m.t) for _, msgs in sorted(recording.messages.items())]
-    return heapq.merge(*streams, key=lambda m: m.t)
+    streams = [sorted(msgs, key=key) for _, msgs in sorted(recording.messages.items())]
+    return heapq.merge(*streams, key=key)
+
+
+def replay_recording(recording: Recording, analysis: Analysis) -> Analysis:
+    """Every message of a recording through ``analysis``, hosts on one clock."""
+    shifts = rank_shifts(recording)
+    return replay(merged(recording, shifts), analysis, shifts=shifts)
 
 
 def replay(
@@ -31,15 +52,17 @@ def replay(
     analysis: Analysis,
     tick_ns: int = TICK_NS,
     on_tick: Callable[[int], None] | None = None,
+    shifts: Mapping[int, int] | None = None,
 ) -> Analysis:
-    """Feed recorded messages as if live: the analysis clock is the sender's clock.
+    """Feed recorded messages as if live: the analysis clock is the sender's clock
+    (moved by ``shifts[rank]`` for ranks on other hosts).
 
     ``on_tick`` is called after each tick (benchmarks time detection with it).
     """
     next_tick = None
     last = 0
     for msg in messages:
-        t = msg.t
+        t = msg.t + shifts.get(msg.rank, 0) if shifts else msg.t
         if next_tick is None:
             next_tick = t + tick_ns
         while t >= next_tick:
@@ -62,5 +85,5 @@ def analyze_recording(
     """Read a run (newest unless ``run_id``) and run every detector over it."""
     recording = open_run(directory, run_id)
     analysis = Analysis(detectors, history=None)
-    replay(merged(recording), analysis)
+    replay_recording(recording, analysis)
     return analysis, recording

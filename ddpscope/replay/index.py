@@ -32,6 +32,7 @@ from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET, finding_views
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.analysis.sources import TICK_NS
+from ddpscope.record.clocks import HostClocks
 from ddpscope.record.format import SUFFIX, RecordError
 from ddpscope.record.reader import RankFile, RunDir
 from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, Step, decode
@@ -57,21 +58,11 @@ class Moment:
     findings: tuple[FindingView, ...]
 
 
-def clock_anchor(rf: RankFile) -> int | None:
-    """Wall minus monotonic time of the file's process, from its header (None: unknown)."""
-    wall, mono = rf.header.get("wall_ns"), rf.header.get("mono_ns")
-    if isinstance(wall, int) and isinstance(mono, int):
-        return wall - mono
-    return None
-
-
 class Stream:
     """One rank file's records, in file order, as the pass found them.
 
-    Times are on the replay's clock: the monotonic clock of the first host,
-    to which other hosts' times are moved by the difference of their hosts'
-    wall-clock anchors (so hosts line up as well as their wall clocks agree;
-    ranks of one host keep their exact relative order).
+    Times are on the replay's clock: the monotonic clock of the first host
+    (:mod:`ddpscope.record.clocks`).
     """
 
     def __init__(self, rf: RankFile, shift: int = 0) -> None:
@@ -145,10 +136,9 @@ class RecordingIndex:
     ) -> None:
         self.run = run
         self.follow = follow
-        self._host_anchor: dict[str, int] = {}
-        self.reference_anchor: int | None = None
+        self.clocks = HostClocks()
         self.streams: list[Stream] = [
-            Stream(rf, self._shift(rf)) for rf in sorted(run.files, key=_file_order)
+            Stream(rf, self.clocks.shift(rf.header)) for rf in sorted(run.files, key=_file_order)
         ]
         self.analysis = Analysis(detectors, history=MAX_HISTORY)
         self.moments: list[Moment] = []
@@ -198,18 +188,6 @@ class RecordingIndex:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def _shift(self, rf: RankFile) -> int:
-        anchor = clock_anchor(rf)
-        if anchor is None:
-            return 0
-        host = str(rf.header.get("host", ""))
-        # One anchor per host: its ranks share a monotonic clock, and their
-        # own anchors differ only by when each process took them.
-        anchor = self._host_anchor.setdefault(host, anchor)
-        if self.reference_anchor is None:
-            self.reference_anchor = anchor
-        return anchor - self.reference_anchor
 
     # --- the pass ------------------------------------------------------------------
 
@@ -338,7 +316,7 @@ class RecordingIndex:
                 continue  # a header still being written: look again next time
             self.run.files.append(rf)
             with self.lock:
-                self.streams.append(Stream(rf, self._shift(rf)))
+                self.streams.append(Stream(rf, self.clocks.shift(rf.header)))
         self.total_bytes = sum(_size(s.file.path) for s in self.streams)
 
     def _note_missing_ranks(self) -> None:

@@ -453,7 +453,7 @@ class ReplayFeed:
 
     def _wall_offset(self) -> int:
         # The replay's clock is the first host's monotonic clock.
-        return self.index.reference_anchor or 0
+        return self.index.clocks.reference or 0
 
     def _update_status(self) -> None:
         index = self.index
