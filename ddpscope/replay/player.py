@@ -24,6 +24,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import Any
 
 from ddpscope.analysis.monitor import FeedStats, Monitor
@@ -130,6 +131,10 @@ class ReplayFeed:
         self._at_end = False
         self._notice = ""
         self._pending_step: int | None = None
+        self._steps_key: tuple[int, bool] = (-1, False)
+        self._steps_built = 0.0
+        self._step_times: list[int] = []
+        self._step_best: list[int] = []
         self._fed = 0
         self.error = ""
         self._pass = threading.Thread(target=index.run_pass, name="ddpscope-index", daemon=True)
@@ -397,8 +402,19 @@ class ReplayFeed:
         self._seek(done[steps[i]])
 
     def _step_at(self, t: int) -> int:
-        done = [s for s, when in self.index.step_done.items() if when <= t]
-        return max(done, default=-1)
+        """The newest step complete on every rank by ``t`` (-1: none yet)."""
+        index = self.index
+        key = (index.records, index.done)
+        now = time.monotonic()
+        if key != self._steps_key and (index.done or now - self._steps_built > 0.5):
+            # Rebuilt as the index grows (at most twice a second): status
+            # updates ask this every frame, and a run has many thousand steps.
+            pairs = sorted((when, step) for step, when in list(index.step_done.items()))
+            self._step_times = [when for when, _ in pairs]
+            self._step_best = list(accumulate((step for _, step in pairs), max))
+            self._steps_key, self._steps_built = key, now
+        i = bisect_right(self._step_times, t)
+        return self._step_best[i - 1] if i else -1
 
     def _go_finding(self, direction: int) -> None:
         times = self.index.raised_times()
