@@ -11,7 +11,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddpscope.transport.security import ClientKeys
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
 
@@ -48,11 +51,32 @@ class Options:
     sndhwm: int = 10000
     #: Run id; "" derives one shared by all ranks of the launch.
     run_id: str = ""
+    #: The watcher's (or relay's) CURVE public key: Z85 text, a key file or a
+    #: keys directory. Set, every connection of the rank is encrypted and the
+    #: server authenticated; "" connects in the clear (loopback, ipc).
+    server_key: str = ""
+    #: This rank's own keypair (a NAME.key_secret file), for a server that keeps
+    #: an allow-list of clients; "" uses a fresh keypair per connection.
+    client_key: str = ""
 
     def resolved_control_endpoint(self) -> str:
         if self.control_endpoint:
             return self.control_endpoint
         return derive_control_endpoint(self.endpoint)
+
+    def client_keys(self) -> ClientKeys | None:
+        """The CURVE keys of the rank's connections, or None when it connects in the clear.
+
+        Raises ConfigError naming the variable when a key cannot be used.
+        """
+        if not self.server_key:
+            return None
+        from ddpscope.transport.security import SecurityError, load_client_keys
+
+        try:
+            return load_client_keys(self.server_key, self.client_key)
+        except SecurityError as exc:
+            raise ConfigError(f"DDPSCOPE_SERVER_KEY / DDPSCOPE_CLIENT_KEY: {exc}") from None
 
 
 def derive_control_endpoint(endpoint: str) -> str:
@@ -93,6 +117,14 @@ OPTIONS: dict[str, tuple[str, str]] = {
     "queue_size": ("DDPSCOPE_QUEUE_SIZE", "messages buffered before dropping"),
     "sndhwm": ("DDPSCOPE_SNDHWM", "ZeroMQ send high-water mark"),
     "run_id": ("DDPSCOPE_RUN_ID", "run id (default: agreed by all ranks of the launch)"),
+    "server_key": (
+        "DDPSCOPE_SERVER_KEY",
+        "the watcher's or relay's public key (Z85, key file or keys directory): use CURVE",
+    ),
+    "client_key": (
+        "DDPSCOPE_CLIENT_KEY",
+        "this rank's keypair file (NAME.key_secret) for servers with an allow-list",
+    ),
 }
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -131,6 +163,13 @@ def _validate(opts: Options) -> Options:
     if not 0 < opts.checksum_budget < 1:
         raise ConfigError("checksum_budget must be between 0 and 1")
     opts.resolved_control_endpoint()  # raises on a malformed endpoint
+    if opts.client_key and not opts.server_key:
+        raise ConfigError(
+            "DDPSCOPE_CLIENT_KEY is set but DDPSCOPE_SERVER_KEY is not: a client keypair is "
+            "only used together with the server's public key"
+        )
+    if opts.server_key:
+        opts.client_keys()  # raises on a key that cannot be read
     return opts
 
 

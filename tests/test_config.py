@@ -52,3 +52,16 @@ def test_every_option_has_a_variable_and_is_documented() -> None:
     doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
     for var, _ in OPTIONS.values():
         assert var in doc, f"{var} missing from docs/configuration.md"
+
+
+def test_keys_that_cannot_be_used_are_errors_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="DDPSCOPE_SERVER_KEY"):
+        load(env={"DDPSCOPE_SERVER_KEY": str(tmp_path / "missing.key")})
+    with pytest.raises(ConfigError, match="DDPSCOPE_SERVER_KEY"):
+        load({"server_key": "x" * 39 + "\u00e9"}, env={})
+    with pytest.raises(ConfigError, match="DDPSCOPE_CLIENT_KEY is set"):
+        load(env={"DDPSCOPE_CLIENT_KEY": str(tmp_path / "c.key_secret")})
+    z85 = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a well-formed CURVE public key
+    opts = load({"server_key": z85}, env={})
+    keys = opts.client_keys()
+    assert keys is not None and keys.server_public == z85.encode()

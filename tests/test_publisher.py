@@ -189,3 +189,37 @@ def test_an_item_that_never_finishes_cannot_stall_the_queue(endpoint: str) -> No
     assert len(pub._queue) == 0  # ...and gives it up when forced
     assert pub.dropped_queue == 1
     pub.close()
+
+
+def test_first_messages_wait_for_the_watchers_subscription_instead_of_being_lost(
+    endpoint: str,
+) -> None:
+    with Subscriber(endpoint) as sub:
+        pub = _publisher(endpoint)
+        for i in range(50):  # before the thread runs: the very first messages of a run
+            pub.post("end", 0, {"reason": "early", "step": i})
+        pub.start()
+        got: list[int] = []
+        deadline = time.monotonic() + 10
+        while len(got) < 50 and time.monotonic() < deadline:
+            msg = sub.recv(100)
+            if isinstance(msg, End) and msg.reason == "early":
+                got.append(msg.seq)
+        pub.close()
+    assert got == list(range(50))  # seq 0 on: nothing lost to the connection's first moment
+    assert pub.subscriptions >= 1
+
+
+def test_a_watcher_that_never_comes_delays_the_first_sends_only_briefly(
+    tmp_path: Path, endpoint: str
+) -> None:
+    pub = _publisher(endpoint, tmp_path)
+    pub.post("end", 0, {"reason": "early", "step": 0})
+    pub.start()
+    deadline = time.monotonic() + 5
+    while pub.sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pub.sent > 0 and pub.subscriptions == 0
+    pub.close()
+    ends = [m.reason for m in open_run(str(tmp_path)).messages[3] if isinstance(m, End)]
+    assert ends[0] == "early"

@@ -44,6 +44,8 @@ COMMANDS: tuple[str, ...] = (
     "ddpscope.cli.export:ExportCommand",
     "ddpscope.cli.watch:WatchCommand",
     "ddpscope.cli.replay:ReplayCommand",
+    "ddpscope.cli.relay:RelayCommand",
+    "ddpscope.cli.keys:KeysCommand",
 )
 
 

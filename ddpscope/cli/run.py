@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import FrameType
 
 import ddpscope
@@ -42,18 +44,34 @@ FORWARDED_SIGNALS = tuple(
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 AUTOATTACH_VAR = "DDPSCOPE_AUTOATTACH"
+#: 1: start a relay on this node; 0: never; unset: on multi-node torchrun launches.
+RELAY_VAR = "DDPSCOPE_RELAY"
+#: The watcher's server keys directory (a relay or watcher reads it, ranks do not).
+KEYS_VAR = "DDPSCOPE_KEYS"
+#: Rank options that describe how to reach the watcher itself; a relay takes them over.
+UPSTREAM_KEY_VARS = ("DDPSCOPE_SERVER_KEY", "DDPSCOPE_CLIENT_KEY")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
 
 EPILOG = """\
 examples:
   ddpscope run -- torchrun --standalone --nproc_per_node=4 train.py --epochs 2
   ddpscope run --record /data/runs -- python -m torch.distributed.run --nproc_per_node=2 train.py
   ddpscope run --headless --endpoint tcp://127.0.0.1:6000 -- python train.py
+  ddpscope run --endpoint tcp://HEAD:5557 -- torchrun --nnodes=2 --nproc_per_node=8 ...
 
 Every DistributedDataParallel model the launched Python processes build gets
 ddpscope.attach(model) right after its constructor returns; the script is not
 edited. Processes started with python -I, -E or -S ignore PYTHONPATH and are not
 watched. Other DDPSCOPE_* variables in the environment (see
 docs/configuration.md) reach the ranks unchanged.
+
+On a multi-node launch (torchrun --nnodes with more than one node, or
+--relay / DDPSCOPE_RELAY=1) a relay runs inside this launcher: the node's
+ranks publish to it on a private ipc:// socket and it forwards to --endpoint
+(the watcher's address, with DDPSCOPE_SERVER_KEY if the watcher has keys).
+No UI opens beside such a job: run `ddpscope watch` where --endpoint points.
+See docs/relay.md.
 """
 
 
@@ -96,11 +114,107 @@ def build_env(
             "letter or digit (it names the run's directory)"
         )
     env["DDPSCOPE_RUN_ID"] = run_id
+    keys = env.get(KEYS_VAR, "")
+    if keys and not env.get("DDPSCOPE_SERVER_KEY"):
+        # The watcher listens with these keys: the ranks need their public half.
+        from ddpscope.transport.security import PUBLIC_SUFFIX, SERVER_NAME
+
+        env["DDPSCOPE_SERVER_KEY"] = os.path.join(
+            os.path.abspath(os.path.expanduser(keys)), SERVER_NAME + PUBLIC_SUFFIX
+        )
     try:
         config.load(env=env)
     except config.ConfigError as exc:
         raise UsageError(str(exc)) from None
     return env
+
+
+def torchrun_nnodes(command: Sequence[str]) -> int:
+    """The most nodes a torchrun command may use (``--nnodes=N`` or ``MIN:MAX``); 1 if not said.
+
+    Recognises ``torchrun`` and ``python -m torch.distributed.run`` (or
+    ``.launch``); only options before the training script are looked at.
+    """
+    if not command:
+        return 1
+    args = list(command)
+    if os.path.basename(args[0]) == "torchrun":
+        rest = args[1:]
+    else:
+        try:
+            i = args.index("-m")
+        except ValueError:
+            return 1
+        if args[i + 1 : i + 2] not in (["torch.distributed.run"], ["torch.distributed.launch"]):
+            return 1
+        rest = args[i + 2 :]
+    value = ""
+    for j, arg in enumerate(rest):
+        if arg.endswith(".py") or arg in ("-m", "--module"):
+            break  # the training script: its own arguments are not torchrun's
+        if arg == "--nnodes":
+            value = rest[j + 1] if j + 1 < len(rest) else ""
+        elif arg.startswith("--nnodes="):
+            value = arg.partition("=")[2]
+    try:
+        return max(int(part) for part in value.split(":")) if value else 1
+    except ValueError:
+        return 1
+
+
+def wants_relay(command: Sequence[str], env: Mapping[str, str], flag: bool | None = None) -> bool:
+    """Whether ``ddpscope run`` starts a relay on this node (see docs/relay.md).
+
+    ``--relay`` / ``--no-relay`` decide; else DDPSCOPE_RELAY (1/0); else a
+    relay runs when the command is a torchrun launch of more than one node.
+    """
+    if flag is not None:
+        return flag
+    value = env.get(RELAY_VAR, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    if value:
+        raise UsageError(f"{RELAY_VAR}={env[RELAY_VAR]!r}: use 1 (relay) or 0 (no relay)")
+    return torchrun_nnodes(command) > 1
+
+
+class NodeRelay:
+    """A relay inside this launcher: the ranks of this node publish to it over ipc://."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        from ddpscope.transport.relay import Relay
+
+        opts = config.load(env=env)
+        self.upstream = opts.endpoint
+        self._dir = tempfile.mkdtemp(prefix="ddpscope-relay-")  # mode 0700: this user only
+        self.listen = f"ipc://{self._dir}/ranks.sock"
+        try:
+            self.relay = Relay(
+                self.listen,
+                opts.endpoint,
+                upstream_control=opts.resolved_control_endpoint(),
+                upstream_keys=opts.client_keys(),
+            )
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+
+    def rank_env(self, env: Mapping[str, str]) -> dict[str, str]:
+        """The ranks' environment: publish to the relay, which holds the upstream keys."""
+        out = {k: v for k, v in env.items() if k not in UPSTREAM_KEY_VARS}
+        out["DDPSCOPE_ENDPOINT"] = self.listen
+        out["DDPSCOPE_CONTROL_ENDPOINT"] = config.derive_control_endpoint(self.listen)
+        return out
+
+    def start(self) -> None:
+        self.relay.start()
+
+    def close(self) -> None:
+        self.relay.settle()  # the ranks' last messages (end) out before stopping
+        self.relay.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def describe(env: Mapping[str, str]) -> str:
@@ -194,7 +308,8 @@ class RunCommand:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         self._parser = parser
         parser.usage = (
-            "%(prog)s [--record DIR] [--endpoint ADDR] [--run-id ID] [--headless] -- COMMAND..."
+            "%(prog)s [--record DIR] [--endpoint ADDR] [--run-id ID] [--headless] "
+            "[--relay | --no-relay] -- COMMAND..."
         )
         parser.add_argument(
             "--record",
@@ -219,6 +334,21 @@ class RunCommand:
             help="do not open the live watcher beside the job (it opens only when stdin, "
             "stdout and stderr are a terminal; the job's output then goes to a log file)",
         )
+        relay = parser.add_mutually_exclusive_group()
+        relay.add_argument(
+            "--relay",
+            dest="relay",
+            action="store_true",
+            default=None,
+            help="run a relay for this node's ranks, forwarding to --endpoint (default: on "
+            "for torchrun --nnodes>1, or when DDPSCOPE_RELAY=1)",
+        )
+        relay.add_argument(
+            "--no-relay",
+            dest="relay",
+            action="store_false",
+            help="never run a relay: ranks publish to --endpoint directly",
+        )
         parser.add_argument(
             "command",
             nargs=argparse.REMAINDER,
@@ -234,14 +364,40 @@ class RunCommand:
             return self._usage_error("missing COMMAND (e.g. ddpscope run -- torchrun train.py)")
         try:
             env = build_env(os.environ, args.record, args.endpoint, args.run_id)
+            relay = wants_relay(command, env, getattr(args, "relay", None))
         except UsageError as exc:
             return self._usage_error(str(exc))
         print(describe(env), file=sys.stderr, flush=True)
+        if relay:
+            return self._run_relayed(command, env)
         if not args.headless and all(s.isatty() for s in (sys.stdin, sys.stdout, sys.stderr)):
             from ddpscope.cli.watch import launch_with_watcher
 
             return launch_with_watcher(command, env)
         return launch(command, env)
+
+    def _run_relayed(self, command: list[str], env: dict[str, str]) -> int:
+        from ddpscope.transport.security import SecurityError
+
+        try:
+            node = NodeRelay(env)
+        except (SecurityError, config.ConfigError) as exc:
+            return self._usage_error(str(exc))
+        except OSError as exc:
+            print(f"ddpscope run: cannot start the relay: {exc}", file=sys.stderr)
+            return 3
+        secure = "with keys" if node.relay.upstream_watch.curve else "in the clear"
+        print(
+            f"ddpscope: relaying this node's ranks to {node.upstream} ({secure}); watch "
+            f"with `ddpscope watch --endpoint ...` where that address points",
+            file=sys.stderr,
+            flush=True,
+        )
+        node.start()
+        try:
+            return launch(command, node.rank_env(env))
+        finally:
+            node.close()
 
     def _usage_error(self, message: str) -> int:
         # Like argparse's own errors (same format, same status), without SystemExit.

@@ -20,15 +20,20 @@ from ddpscope import config
 if TYPE_CHECKING:
     from textual.app import App
 
+    from ddpscope.analysis.live import LiveFeed
+    from ddpscope.transport.subscriber import Subscriber
+
 EPILOG = """\
 examples:
   ddpscope watch                                  # listen on tcp://127.0.0.1:5557
   ddpscope watch --endpoint tcp://127.0.0.1:6000  # where DDPSCOPE_ENDPOINT points the ranks
   ddpscope run -- torchrun --nproc_per_node=4 train.py   # launch a job with this UI beside it
+  ddpscope watch --endpoint tcp://0.0.0.0:5557 --keys DIR # multi-node: relays connect with keys
 
 Start it before, during or after the job: ranks re-send their run info every
 few seconds, so a late watcher picks them up. Keys: q quits, space pauses,
-? lists the rest. docs/watch.md describes every panel.
+? lists the rest. docs/watch.md describes every panel. Listening beyond
+loopback needs CURVE keys (`ddpscope keys DIR`; docs/security.md).
 """
 
 #: Exit status when the endpoint cannot be bound (another watcher holds it).
@@ -73,6 +78,12 @@ class WatchCommand:
             metavar="ADDR",
             help="address requests to ranks go out on (default: endpoint port + 1)",
         )
+        parser.add_argument(
+            "--keys",
+            metavar="DIR",
+            help="CURVE server keys from `ddpscope keys DIR` (default: $DDPSCOPE_KEYS); "
+            "required to listen beyond loopback",
+        )
         parser.add_argument("--log", metavar="FILE", help="show FILE in the job log view")
 
     def run(self, args: argparse.Namespace) -> int:
@@ -81,22 +92,68 @@ class WatchCommand:
             env["DDPSCOPE_ENDPOINT"] = args.endpoint
         if args.control_endpoint:
             env["DDPSCOPE_CONTROL_ENDPOINT"] = args.control_endpoint
+        if args.keys:
+            env[KEYS_VAR] = args.keys
+        # The watcher needs only where to listen; the rank-side key options
+        # (DDPSCOPE_SERVER_KEY, ...) in its environment are not its business.
+        watcher_env = {k: v for k, v in env.items() if k not in RANK_ONLY_VARS}
         try:
-            opts = config.load(env=env)
+            opts = config.load(env=watcher_env)
         except config.ConfigError as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
-        from ddpscope.analysis.live import LiveFeed
+        from ddpscope.transport.security import SecurityError
         from ddpscope.ui.app import build_app
 
         try:
-            feed = LiveFeed(opts.endpoint, opts.resolved_control_endpoint(), freeze_gc=True)
+            feed, sub = open_feed(opts, env.get(KEYS_VAR, ""))
+        except SecurityError as exc:
+            print(f"ddpscope watch: error: {exc}", file=sys.stderr)
+            return 2
         except OSError as exc:
             print(f"ddpscope watch: {exc} (is another watcher running?)", file=sys.stderr)
             return EXIT_CANNOT_LISTEN
         with feed:
             run_app(build_app(feed, log_path=args.log))
+        report_handshakes(sub, "ddpscope watch")
         return 0
+
+
+#: The watcher's (and relay's) server keys directory.
+KEYS_VAR = "DDPSCOPE_KEYS"
+#: Options only ranks use: a watcher started with the job's environment ignores them.
+RANK_ONLY_VARS = ("DDPSCOPE_SERVER_KEY", "DDPSCOPE_CLIENT_KEY")
+
+
+def open_feed(opts: config.Options, keys_dir: str = "") -> tuple[LiveFeed, Subscriber]:
+    """Bind the watcher's sockets (with keys from ``keys_dir`` if given) and a feed on them.
+
+    Raises SecurityError for unusable keys or a bind the policy refuses (beyond
+    loopback without keys), OSError when the address cannot be bound.
+    """
+    from ddpscope.analysis.live import LiveFeed
+    from ddpscope.transport.security import load_server_keys
+    from ddpscope.transport.subscriber import Subscriber
+
+    keys = load_server_keys(os.path.expanduser(keys_dir)) if keys_dir else None
+    control = opts.resolved_control_endpoint()
+    sub = Subscriber(opts.endpoint, control, keys=keys)
+    try:
+        feed = LiveFeed(opts.endpoint, control, freeze_gc=True, subscriber=sub)
+    except BaseException:
+        sub.close()
+        raise
+    return feed, sub
+
+
+def report_handshakes(sub: Subscriber, who: str) -> None:
+    """After the UI closes: say if peers failed to authenticate while it ran."""
+    if sub.handshake_failures:
+        print(
+            f"{who}: {sub.handshake_failures} connection(s) failed the handshake: "
+            f"{sub.handshakes.last_error}",
+            file=sys.stderr,
+        )
 
 
 def job_log_path(env: Mapping[str, str]) -> str:
@@ -116,14 +173,14 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     while the job runs leaves it running: the launcher then waits for it as
     ``--headless`` would (signals are forwarded, its status is returned).
     """
-    from ddpscope.analysis.live import LiveFeed
     from ddpscope.cli.run import _Forwarder, launch
+    from ddpscope.transport.security import SecurityError
     from ddpscope.ui.app import build_app
 
-    opts = config.load(env=env)
+    opts = config.load(env={k: v for k, v in env.items() if k not in RANK_ONLY_VARS})
     try:
-        feed = LiveFeed(opts.endpoint, opts.resolved_control_endpoint(), freeze_gc=True)
-    except OSError as exc:
+        feed, sub = open_feed(opts, env.get(KEYS_VAR, ""))
+    except (OSError, SecurityError) as exc:
         print(f"ddpscope run: {exc}; running without the watcher", file=sys.stderr)
         return launch(command, env)
     log_path = job_log_path(env)
@@ -148,6 +205,7 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
                 return 126
             forwarder.started(child.pid)
             run_app(build_app(feed, log_path=log_path, job=child))
+        report_handshakes(sub, "ddpscope run")
         if child.poll() is None:
             print(
                 f"ddpscope run: watcher closed; job {child.pid} keeps running (output: "

@@ -27,6 +27,7 @@ from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.stacks import all_thread_stacks
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import REQUESTS, Request, SchemaError, decode, encode_fields
+from ddpscope.transport.security import HandshakeWatch
 from ddpscope.transport.sockets import rank_control, rank_publisher
 
 log = logging.getLogger("ddpscope")
@@ -38,6 +39,10 @@ Finisher = Callable[[Any, bool], "dict[str, Any] | None"]
 Periodic = Callable[[], "list[tuple[str, int, dict[str, Any]]]"]
 
 TICK_S = 0.05
+#: At start, the thread holds its first messages this long at most for the
+#: watcher's (or relay's) subscription: ZeroMQ discards what a PUB sends before
+#: it, so a run's first messages would otherwise be lost to a listening peer.
+CONNECT_GRACE_S = 0.5
 #: A payload whose finisher is still not ready after this long is forced out.
 FORCE_AFTER_NS = 10_000_000_000
 
@@ -91,20 +96,36 @@ class Publisher:
         self.dropped_queue = 0
         self.dropped_send = 0
         self.rejected_requests = 0
+        #: Subscription notices from the watcher or relay (0: nobody subscribed yet).
+        self.subscriptions = 0
         self.error = ""
         self._stuck_key: tuple[str, int] | None = None
         self._writer: RecordWriter | None = None
         if opts.record:
             self._writer = RecordWriter(opts.record, run_id, rank, header)
+        keys = opts.client_keys()
         self._ctx = zmq.Context()
-        self._pub = rank_publisher(self._ctx, opts.endpoint, opts.sndhwm)
-        self._ctl = rank_control(self._ctx, opts.resolved_control_endpoint())
+        # A failed handshake (wrong or missing key) never blocks or raises here:
+        # messages to an unauthenticated peer are discarded by ZeroMQ, and the
+        # monitor sockets let this thread count and log each failure.
+        self.handshakes = HandshakeWatch(f"rank {rank}", curve=keys is not None, server=False)
+        self._pub = rank_publisher(self._ctx, opts.endpoint, opts.sndhwm, keys=keys)
+        self._ctl = rank_control(self._ctx, opts.resolved_control_endpoint(), keys=keys)
+        self._monitors = [
+            self.handshakes.watch(self._pub, opts.endpoint),
+            self.handshakes.watch(self._ctl, opts.resolved_control_endpoint()),
+        ]
         self._thread = threading.Thread(target=self._run, name="ddpscope-publisher", daemon=True)
         _register_fork_guard(self)
 
     @property
     def record_path(self) -> str | None:
         return self._writer.path if self._writer else None
+
+    @property
+    def handshake_failures(self) -> int:
+        """Connections to the watcher (or relay) refused in the handshake: a wrong key."""
+        return self.handshakes.failures
 
     # --- called from the training side -------------------------------------
 
@@ -135,11 +156,21 @@ class Publisher:
             now = time.monotonic()
             next_beat = now
             next_resend = now
+            self._await_subscriber(now + CONNECT_GRACE_S)
             poller = zmq.Poller()
             poller.register(self._ctl, zmq.POLLIN)
+            poller.register(self._pub, zmq.POLLIN)
+            for mon in self._monitors:
+                poller.register(mon, zmq.POLLIN)
             while not self._stop.is_set():
-                if poller.poll(int(TICK_S * 1000)):
-                    self._serve_requests()
+                ready = dict(poller.poll(int(TICK_S * 1000)))
+                if ready:
+                    if self._ctl in ready:
+                        self._serve_requests()
+                    if self._pub in ready:
+                        self._read_subscriptions()
+                    if any(mon in ready for mon in self._monitors):
+                        self._check_handshakes()
                 self._drain(force=False)
                 now = time.monotonic()
                 if now >= next_resend:
@@ -150,6 +181,27 @@ class Publisher:
                     self._heartbeat()
         except Exception as exc:  # never let an error reach training
             self._fail(exc)
+
+    def _await_subscriber(self, deadline: float) -> None:
+        """Wait (bounded) for the first subscription; queued items wait with it."""
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._pub.poll(int(min(left, TICK_S) * 1000) + 1, zmq.POLLIN):
+                self._read_subscriptions()
+                return
+            self._check_handshakes()
+
+    def _read_subscriptions(self) -> None:
+        # Subscribe/unsubscribe notices from the peer; reading them is all that
+        # is needed (the socket itself does the filtering).
+        for _ in range(64):
+            try:
+                self._pub.recv(zmq.DONTWAIT)
+            except zmq.Again:
+                return
+            self.subscriptions += 1
 
     def _drain(self, force: bool) -> None:
         q = self._queue
@@ -240,6 +292,10 @@ class Publisher:
         }
         self._emit("stacks", 0, fields, record=True)
 
+    def _check_handshakes(self) -> None:
+        if self.handshakes.poll():
+            self.error = f"cannot deliver telemetry: {self.handshakes.last_error}"
+
     def _serve_requests(self) -> None:
         for _ in range(16):  # bounded: a flood cannot starve the rest of the loop
             try:
@@ -286,6 +342,7 @@ class Publisher:
     def _shutdown_io(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        self.handshakes.close()
         self._ctx.destroy(linger=0)
 
     def _fail(self, exc: BaseException) -> None:

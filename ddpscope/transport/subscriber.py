@@ -3,6 +3,11 @@
 A Subscriber binds where ranks publish, decodes every message with the typed
 decoder and counts what it had to reject. It is used by ``watch``, by relays
 that record, and by the tests that check what ranks send.
+
+It follows the bind policy of :mod:`ddpscope.transport.security`: loopback
+and ``ipc://`` without keys, anything else only with ``keys``. Handshakes
+that fail (a client with the wrong server key, or none) are counted in
+``handshake_failures`` and logged, never silently ignored.
 """
 
 from __future__ import annotations
@@ -14,31 +19,79 @@ import zmq
 
 from ddpscope.config import derive_control_endpoint
 from ddpscope.schema import Message, Request, SchemaError, decode, encode
+from ddpscope.transport.security import (
+    HandshakeWatch,
+    SecurityError,
+    ServerKeys,
+    check_bind,
+    start_authenticator,
+)
 from ddpscope.transport.sockets import watcher_control, watcher_subscriber
+
+#: Failed handshakes are looked for at least every this many messages (and
+#: whenever the socket is idle), so the check costs nothing per message.
+MONITOR_EVERY = 1024
 
 
 class Subscriber:
-    def __init__(self, endpoint: str, control_endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        control_endpoint: str | None = None,
+        *,
+        keys: ServerKeys | None = None,
+        rcvhwm: int = 100_000,
+    ) -> None:
+        """Bind ``endpoint`` (telemetry) and ``control_endpoint`` (requests).
+
+        ``keys``: the server keypair; required to bind beyond loopback
+        (:class:`SecurityError` otherwise). Binding failures raise OSError.
+        """
         self.endpoint = endpoint
+        control = control_endpoint or derive_control_endpoint(endpoint)
+        check_bind(endpoint, keys)
+        check_bind(control, keys)
+        self.keys = keys
         self._ctx = zmq.Context()
+        self._auth = None
+        self.handshakes = HandshakeWatch("watcher", curve=keys is not None, server=True)
         try:
-            self._sub = watcher_subscriber(self._ctx, endpoint)
-            self._ctl = watcher_control(
-                self._ctx, control_endpoint or derive_control_endpoint(endpoint)
-            )
+            self._auth = start_authenticator(self._ctx, keys)
+            self._sub = watcher_subscriber(self._ctx, endpoint, rcvhwm=rcvhwm, keys=keys)
+            self.handshakes.watch(self._sub, endpoint)
+            self._ctl = watcher_control(self._ctx, control, keys=keys)
+            self.handshakes.watch(self._ctl, control)
         except zmq.ZMQError as exc:
-            self._ctx.destroy(linger=0)
+            self._teardown()
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
+        except SecurityError:
+            self._teardown()
+            raise
         self.received = 0
         self.rejected: Counter[str] = Counter()
         self.last_error = ""
+        self._until_check = MONITOR_EVERY
+
+    @property
+    def handshake_failures(self) -> int:
+        """Connections refused in the handshake (wrong key, no key, not allowed)."""
+        return self.handshakes.failures
+
+    def check_handshakes(self) -> int:
+        """Read pending handshake events now; returns the failures among them."""
+        return self.handshakes.poll()
 
     def recv(self, timeout_ms: int) -> Message | None:
         """One decoded message, or None when nothing valid came in time."""
         if not self._sub.poll(timeout_ms):
+            self.handshakes.poll()
             return None
         raw = self._sub.recv(copy=True)
         self.received += 1
+        self._until_check -= 1
+        if not self._until_check:
+            self._until_check = MONITOR_EVERY
+            self.handshakes.poll()
         try:
             return decode(raw)
         except SchemaError as exc:
@@ -59,8 +112,15 @@ class Subscriber:
         msg = Request(run=run, rank=0, what=what, target=target)
         self._ctl.send(encode(msg), zmq.DONTWAIT)
 
-    def close(self) -> None:
+    def _teardown(self) -> None:
+        self.handshakes.close()
+        if self._auth is not None:
+            self._auth.stop()  # type: ignore[attr-defined]
+            self._auth = None
         self._ctx.destroy(linger=0)
+
+    def close(self) -> None:
+        self._teardown()
 
     def __enter__(self) -> Subscriber:
         return self
