@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -228,3 +229,29 @@ def test_run_gives_ranks_the_public_key_of_the_keys_it_watches_with(keys_dir: Pa
     env = build_env({"DDPSCOPE_KEYS": str(keys_dir)}, record="")
     assert env["DDPSCOPE_SERVER_KEY"] == str(keys_dir / "server.key")
     assert load(env=env).client_keys() is not None
+
+
+def test_the_watchers_health_line_says_when_peers_fail_the_handshake(keys_dir: Path) -> None:
+    from ddpscope.analysis.live import LiveFeed
+
+    port = _port_pair()
+    endpoint = f"tcp://0.0.0.0:{port}"
+    sub = Subscriber(endpoint, keys=load_server_keys(str(keys_dir)))
+    with LiveFeed(endpoint, detectors=[], subscriber=sub) as feed:
+        pub = _rank(f"tcp://127.0.0.1:{port}")  # no keys at all
+        pub.start()
+        try:
+            _until(lambda: "failed the handshake" in feed.snapshot().health.detector_note)
+        finally:
+            pub.close()
+
+
+def test_key_material_given_inline_never_reaches_run_info() -> None:
+    pytest.importorskip("torch")
+    from ddpscope.hooks.runinfo import public_options
+
+    inline = "x" * 40  # a Z85 key given as text rather than as a path
+    opts = dataclasses.replace(load({}, env={}), server_key=inline, client_key=inline)
+    shown = public_options(opts)
+    assert shown["server_key"] == shown["client_key"] == "(set)"
+    assert inline not in repr(shown)

@@ -254,5 +254,14 @@ class LiveFeed:
             rate=self._rate,
             busy=self._busy_share,
             error=self.error,
-            note=self.catch_up_note,
+            note=self._note(),
         )
+
+    def _note(self) -> str:
+        notes = [self.catch_up_note] if self.catch_up_note else []
+        failures = self._sub.handshake_failures
+        if failures:
+            notes.append(
+                f"{failures} connection(s) failed the handshake ({self._sub.handshakes.last_error})"
+            )
+        return "; ".join(notes)

@@ -85,6 +85,12 @@ class WatchCommand:
             "required to listen beyond loopback",
         )
         parser.add_argument("--log", metavar="FILE", help="show FILE in the job log view")
+        parser.add_argument(
+            "--catch-up",
+            metavar="DIR",
+            help="read the newest run recorded in DIR first, so a watcher started (or "
+            "restarted) mid-run shows the run's history",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         env = dict(os.environ)
@@ -106,7 +112,7 @@ class WatchCommand:
         from ddpscope.ui.app import build_app
 
         try:
-            feed, sub = open_feed(opts, env.get(KEYS_VAR, ""))
+            feed, sub = open_feed(opts, env.get(KEYS_VAR, ""), args.catch_up)
         except SecurityError as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
@@ -125,8 +131,11 @@ KEYS_VAR = "DDPSCOPE_KEYS"
 RANK_ONLY_VARS = ("DDPSCOPE_SERVER_KEY", "DDPSCOPE_CLIENT_KEY")
 
 
-def open_feed(opts: config.Options, keys_dir: str = "") -> tuple[LiveFeed, Subscriber]:
-    """Bind the watcher's sockets (with keys from ``keys_dir`` if given) and a feed on them.
+def open_feed(
+    opts: config.Options, keys_dir: str = "", catch_up: str | None = None
+) -> tuple[LiveFeed, Subscriber]:
+    """Bind the watcher's sockets (with keys from ``keys_dir`` if given) and a feed on them
+    (that first reads the newest run recorded in ``catch_up``, if given).
 
     Raises SecurityError for unusable keys or a bind the policy refuses (beyond
     loopback without keys), OSError when the address cannot be bound.
@@ -139,7 +148,9 @@ def open_feed(opts: config.Options, keys_dir: str = "") -> tuple[LiveFeed, Subsc
     control = opts.resolved_control_endpoint()
     sub = Subscriber(opts.endpoint, control, keys=keys)
     try:
-        feed = LiveFeed(opts.endpoint, control, freeze_gc=True, subscriber=sub)
+        feed = LiveFeed(
+            opts.endpoint, control, freeze_gc=True, subscriber=sub, catch_up=catch_up or None
+        )
     except BaseException:
         sub.close()
         raise

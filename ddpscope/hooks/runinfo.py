@@ -121,8 +121,22 @@ def run_info_fields(model: Any, opts: Options, started_wall_ns: int) -> dict[str
         "params": params,
         "buffers": buffers,
         "started_wall_ns": started_wall_ns,
-        "options": {k: v for k, v in vars(opts).items() if isinstance(v, (int, float, str, bool))},
+        "options": public_options(opts),
     }
+
+
+#: Options that may hold key material (a key can be given inline instead of
+#: as a path): never sent or recorded, only whether they are set.
+SECRET_OPTIONS = ("server_key", "client_key")
+
+
+def public_options(opts: Any) -> dict[str, Any]:
+    """The options as run info carries them: plain values, keys redacted."""
+    out = {k: v for k, v in vars(opts).items() if isinstance(v, (int, float, str, bool))}
+    for name in SECRET_OPTIONS:
+        if out.get(name):
+            out[name] = "(set)"
+    return out
 
 
 def clock_anchor() -> dict[str, int]:
