@@ -89,8 +89,13 @@ def build_env(
     record: str | None = None,
     endpoint: str | None = None,
     run_id: str | None = None,
+    command: Sequence[str] = (),
 ) -> dict[str, str]:
     """The child's environment. ``None`` keeps what ``base`` says (or the default).
+
+    The run id: ``run_id``, else DDPSCOPE_RUN_ID, else for a multi-node
+    torchrun ``command`` the one all nodes share (:func:`shared_run_id`; left
+    to the ranks when there is none), else a new one.
 
     Raises UsageError when an option (from the arguments or from ``base``)
     has a value the ranks could not use, so that nothing is launched.
@@ -107,13 +112,20 @@ def build_env(
     if endpoint is not None:
         env["DDPSCOPE_ENDPOINT"] = endpoint
     if run_id is None:
-        run_id = env.get("DDPSCOPE_RUN_ID") or new_run_id()
-    if not _RUN_ID.fullmatch(run_id):
+        run_id = env.get("DDPSCOPE_RUN_ID") or None
+    if run_id is None and torchrun_nnodes(command) > 1:
+        run_id = shared_run_id(command) or ""
+    if run_id is None:
+        run_id = new_run_id()
+    if run_id and not _RUN_ID.fullmatch(run_id):
         raise UsageError(
             f"run id {run_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a "
             "letter or digit (it names the run's directory)"
         )
-    env["DDPSCOPE_RUN_ID"] = run_id
+    if run_id:
+        env["DDPSCOPE_RUN_ID"] = run_id
+    else:
+        env.pop("DDPSCOPE_RUN_ID", None)  # the ranks agree on one through their store
     keys = env.get(KEYS_VAR, "")
     if keys and not env.get("DDPSCOPE_SERVER_KEY"):
         # The watcher listens with these keys: the ranks need their public half.
@@ -129,14 +141,15 @@ def build_env(
     return env
 
 
-def torchrun_nnodes(command: Sequence[str]) -> int:
-    """The most nodes a torchrun command may use (``--nnodes=N`` or ``MIN:MAX``); 1 if not said.
+def torchrun_options(command: Sequence[str]) -> dict[str, str] | None:
+    """torchrun's own options in ``command`` (``--nnodes=2`` and ``--nnodes 2`` alike,
+    names with ``-`` for ``_``), or None when it is not a torchrun launch.
 
     Recognises ``torchrun`` and ``python -m torch.distributed.run`` (or
     ``.launch``); only options before the training script are looked at.
     """
     if not command:
-        return 1
+        return None
     args = list(command)
     if os.path.basename(args[0]) == "torchrun":
         rest = args[1:]
@@ -144,22 +157,47 @@ def torchrun_nnodes(command: Sequence[str]) -> int:
         try:
             i = args.index("-m")
         except ValueError:
-            return 1
+            return None
         if args[i + 1 : i + 2] not in (["torch.distributed.run"], ["torch.distributed.launch"]):
-            return 1
+            return None
         rest = args[i + 2 :]
-    value = ""
+    found: dict[str, str] = {}
     for j, arg in enumerate(rest):
         if arg.endswith(".py") or arg in ("-m", "--module"):
             break  # the training script: its own arguments are not torchrun's
-        if arg == "--nnodes":
-            value = rest[j + 1] if j + 1 < len(rest) else ""
-        elif arg.startswith("--nnodes="):
-            value = arg.partition("=")[2]
+        if not arg.startswith("--"):
+            continue
+        name, eq, value = arg.partition("=")
+        if not eq:
+            following = rest[j + 1] if j + 1 < len(rest) else ""
+            value = "" if following.startswith("-") else following
+        found[name.replace("_", "-")] = value
+    return found
+
+
+def torchrun_nnodes(command: Sequence[str]) -> int:
+    """The most nodes a torchrun command may use (``--nnodes=N`` or ``MIN:MAX``); 1 if not said."""
+    value = (torchrun_options(command) or {}).get("--nnodes", "")
     try:
         return max(int(part) for part in value.split(":")) if value else 1
     except ValueError:
         return 1
+
+
+def shared_run_id(command: Sequence[str]) -> str | None:
+    """The run id every node's launcher can agree on for a multi-node launch.
+
+    Each node runs its own ``ddpscope run``; a fresh id per launcher would
+    split one job into one run per node. torchrun's rendezvous id is the same
+    on every node (SLURM scripts pass the job id), so it names the run; without
+    one, None: the ranks agree on an id through the process group's store.
+    """
+    options = torchrun_options(command) or {}
+    rdzv = options.get("--rdzv-id", "")
+    if not rdzv or rdzv == "none":
+        return None
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "_" for c in rdzv)[:120]
+    return f"rdzv-{cleaned}"
 
 
 def wants_relay(command: Sequence[str], env: Mapping[str, str], flag: bool | None = None) -> bool:
@@ -221,10 +259,11 @@ def describe(env: Mapping[str, str]) -> str:
     """The one line saying where the recording goes."""
     opts = config.load(env=env)
     live = f"live telemetry to {opts.endpoint}"
+    run = opts.run_id or "(id agreed by the ranks)"
     if not opts.record:
-        return f"ddpscope: run {opts.run_id} is not recorded (--record ''); {live}"
-    where = os.path.join(opts.record, opts.run_id)
-    return f"ddpscope: recording run {opts.run_id} to {where}{os.sep} ({live})"
+        return f"ddpscope: run {run} is not recorded (--record ''); {live}"
+    where = os.path.join(opts.record, opts.run_id or "RUN_ID")
+    return f"ddpscope: recording run {run} to {where}{os.sep} ({live})"
 
 
 class _Forwarder:
@@ -363,7 +402,7 @@ class RunCommand:
         if not command:
             return self._usage_error("missing COMMAND (e.g. ddpscope run -- torchrun train.py)")
         try:
-            env = build_env(os.environ, args.record, args.endpoint, args.run_id)
+            env = build_env(os.environ, args.record, args.endpoint, args.run_id, command)
             relay = wants_relay(command, env, getattr(args, "relay", None))
         except UsageError as exc:
             return self._usage_error(str(exc))

@@ -170,11 +170,11 @@ def report_handshakes(sub: Subscriber, who: str) -> None:
 def job_log_path(env: Mapping[str, str]) -> str:
     """Where the launched job's output goes: beside its recording, else a temp file."""
     opts = config.load(env=env)
-    if opts.record:
+    if opts.record and opts.run_id:
         run_dir = os.path.join(opts.record, opts.run_id)
         os.makedirs(run_dir, exist_ok=True)
         return os.path.join(run_dir, "job.log")  # readers skip files that are not records
-    return os.path.join(tempfile.gettempdir(), f"ddpscope-{opts.run_id}.log")
+    return os.path.join(tempfile.gettempdir(), f"ddpscope-{opts.run_id or os.getpid()}.log")
 
 
 def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
