@@ -27,12 +27,43 @@ SCHEMA_VERSION = 1
 #: the biggest; 64 MiB is far above any real one and bounds hostile input).
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
+# What one message may hold. Each bound is far above what a real rank sends and
+# exists so that a hostile or corrupt message cannot make a reader allocate
+# without limit: a watcher keeps hundreds of steps per rank, so the size of one
+# decoded message multiplies. docs/wire-schema.md lists them with their reasons.
+
+#: Ranks in one run: ``rank`` must be below it, ``run_info.world_size`` at most it.
+MAX_WORLD_SIZE = 1 << 16
+#: Buckets in one layout or step (DDP's 25 MB default gives ~1,100 for a 7B fp32 model).
+MAX_BUCKETS = 1 << 14
+#: Entries of per-tensor lists (run_info.params/buffers, fingerprint digests).
+MAX_TENSORS = 1 << 20
+#: Entries of any other list and of any map.
+MAX_ITEMS = 1 << 16
+#: Bytes of one string (a path, a traceback tail) or bytes value.
+MAX_STRING_BYTES = 1 << 16
+#: Nesting of free-form values (the ``any`` parts: run_info.ddp/options, hparams).
+MAX_DEPTH = 8
+#: Dimensions of one tensor shape in run_info.params/buffers.
+MAX_DIMS = 64
+
 #: Phases a rank can be in, as reported by heartbeats and stack dumps.
 PHASES = ("idle", "data", "forward", "backward", "allreduce", "optimizer", "eval", "join", "exited")
 
 
 class SchemaError(ValueError):
-    """A message that is not valid ddpscope telemetry."""
+    """A message that is not valid ddpscope telemetry.
+
+    ``reason`` names what was wrong from a small fixed set ("step.b_dur_ns",
+    "schema version", "not a msgpack message", ...) and is also the text before
+    the first colon: counters of rejects key on it, and content chosen by the
+    sender (a kind name, a map key, a list index) must never become a key, or
+    a flood of distinct bad messages would grow the counter without bound.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -413,134 +444,341 @@ _U64 = (1 << 64) - 1
 _I64_MIN = -(1 << 63)
 
 
-def _check(value: Any, hint: Any, where: str) -> None:
+class _Invalid(Exception):
+    """A value that does not fit its field; the path to it is collected on the way out."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        self.path: list[str] = []
+
+    def text(self) -> str:
+        return (f"at {''.join(self.path)}: " if self.path else "") + self.detail
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _too_many(n: int, limit: int) -> _Invalid:
+    return _Invalid(f"{n} items, more than {limit}")
+
+
+def _check_plain(value: Any, depth: int) -> None:
+    """A free-form (``any``) value: any msgpack value, nested at most MAX_DEPTH deep."""
+    if type(value) is list:
+        if depth >= MAX_DEPTH:
+            raise _Invalid(f"nested deeper than {MAX_DEPTH}")
+        for i, v in enumerate(value):
+            try:
+                _check_plain(v, depth + 1)
+            except _Invalid as bad:
+                bad.path.insert(0, f"[{i}]")
+                raise
+    elif type(value) is dict:
+        if depth >= MAX_DEPTH:
+            raise _Invalid(f"nested deeper than {MAX_DEPTH}")
+        for k, v in value.items():
+            try:
+                _check_plain(v, depth + 1)
+            except _Invalid as bad:
+                bad.path.insert(0, f"[{_short(k)}]")
+                raise
+
+
+def _check(value: Any, hint: Any, limit: int = MAX_ITEMS) -> None:
+    """Raise _Invalid unless ``value`` fits ``hint``; ``limit`` bounds a list's length."""
     origin = get_origin(hint)
     if hint is Any:
+        _check_plain(value, 0)
         return
     if origin in (Union, types.UnionType):
         for alt in get_args(hint):
             try:
-                _check(value, alt, where)
+                _check(value, alt)
                 return
-            except SchemaError:
+            except _Invalid:
                 pass
-        raise SchemaError(f"{where}: {type(value).__name__} is not {hint}")
+        raise _Invalid(f"{type(value).__name__} is not {hint}")
     if hint is bool:
         if not isinstance(value, bool):
-            raise SchemaError(f"{where}: expected bool, got {type(value).__name__}")
+            raise _Invalid(f"expected bool, got {type(value).__name__}")
         return
     if hint is int:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise SchemaError(f"{where}: expected int, got {type(value).__name__}")
+            raise _Invalid(f"expected int, got {type(value).__name__}")
         if not _I64_MIN <= value <= _U64:
-            raise SchemaError(f"{where}: integer out of range")
+            raise _Invalid("integer out of range")
         return
     if hint is float:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise SchemaError(f"{where}: expected number, got {type(value).__name__}")
+            raise _Invalid(f"expected number, got {type(value).__name__}")
         return
     if hint is str:
         if not isinstance(value, str):
-            raise SchemaError(f"{where}: expected str, got {type(value).__name__}")
+            raise _Invalid(f"expected str, got {type(value).__name__}")
         return
     if origin is list:
         if not isinstance(value, list):
-            raise SchemaError(f"{where}: expected list, got {type(value).__name__}")
+            raise _Invalid(f"expected list, got {type(value).__name__}")
+        if len(value) > limit:
+            raise _too_many(len(value), limit)
         (item,) = get_args(hint)
-        if item is not Any:
-            for i, v in enumerate(value):
-                _check(v, item, f"{where}[{i}]")
+        for i, v in enumerate(value):
+            try:
+                _check(v, item)
+            except _Invalid as bad:
+                bad.path.insert(0, f"[{i}]")
+                raise
         return
     if origin is dict:
         if not isinstance(value, dict):
-            raise SchemaError(f"{where}: expected map, got {type(value).__name__}")
+            raise _Invalid(f"expected map, got {type(value).__name__}")
         key, item = get_args(hint)
         for k, v in value.items():
-            _check(k, key, f"{where} key")
-            _check(v, item, f"{where}[{k!r}]")
+            try:
+                _check(k, key)
+            except _Invalid as bad:
+                bad.detail = f"key {_short(k)}: {bad.detail}"
+                raise
+            try:
+                _check(v, item)
+            except _Invalid as bad:
+                bad.path.insert(0, f"[{_short(k)}]")
+                raise
         return
-    raise SchemaError(f"{where}: unsupported type {hint}")  # pragma: no cover
+    raise _Invalid(f"unsupported type {hint}")  # pragma: no cover
 
 
 _INT_ONLY = frozenset({int})
 
 
-def _check_int_list(value: Any, where: str) -> None:
-    # The hot case (bucket arrays of every step message): checked at C speed.
+def _int_list(limit: int) -> Any:
+    def check(value: Any) -> None:
+        # The hot case (bucket arrays of every step message): checked at C speed.
+        if type(value) is not list:
+            raise _Invalid(f"expected list, got {type(value).__name__}")
+        if value:
+            if len(value) > limit:
+                raise _too_many(len(value), limit)
+            if not set(map(type, value)) <= _INT_ONLY:
+                _check(value, list[int], limit)
+            if min(value) < _I64_MIN or max(value) > _U64:
+                raise _Invalid("integer out of range")
+
+    return check
+
+
+def _tensor_list(width: int) -> Any:
+    """run_info.params ([name, shape, dtype, requires_grad]) or .buffers ([name, shape, dtype])."""
+
+    def check(value: Any) -> None:
+        if type(value) is not list:
+            raise _Invalid(f"expected list, got {type(value).__name__}")
+        if len(value) > MAX_TENSORS:
+            raise _too_many(len(value), MAX_TENSORS)
+        for i, entry in enumerate(value):
+            try:
+                _check_tensor(entry, width)
+            except _Invalid as bad:
+                bad.path.insert(0, f"[{i}]")
+                raise
+
+    return check
+
+
+def _check_tensor(entry: Any, width: int) -> None:
+    # Readers index these entries and multiply the shapes (parameter counts),
+    # so the layout is checked here once instead of guarded everywhere.
+    if type(entry) is not list or len(entry) < width:
+        what = "[name, shape, dtype, requires_grad]" if width == 4 else "[name, shape, dtype]"
+        raise _Invalid(f"expected {what}")
+    name, shape, dtype = entry[0], entry[1], entry[2]
+    if type(name) is not str or type(dtype) is not str:
+        raise _Invalid("name and dtype must be strings")
+    if type(shape) is not list or len(shape) > MAX_DIMS:
+        raise _Invalid(f"shape must be a list of at most {MAX_DIMS} sizes")
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= _U64:
+            raise _Invalid("shape sizes must be non-negative integers")
+    if width == 4 and type(entry[3]) is not bool:
+        raise _Invalid("requires_grad must be a bool")
+    for extra in entry[width:]:
+        _check_plain(extra, 1)
+
+
+_FRAME_TYPES = (str, int, str)
+
+
+def _check_threads(value: Any) -> None:
+    """stacks.threads: [{"name", "ident", "main", "frames": [[file, line, func], ...]}]."""
     if type(value) is not list:
-        raise SchemaError(f"{where}: expected list, got {type(value).__name__}")
-    if value:
-        if not set(map(type, value)) <= _INT_ONLY:
-            for i, v in enumerate(value):
-                _check(v, int, f"{where}[{i}]")
-        if min(value) < _I64_MIN or max(value) > _U64:
-            raise SchemaError(f"{where}: integer out of range")
+        raise _Invalid(f"expected list, got {type(value).__name__}")
+    if len(value) > MAX_ITEMS:
+        raise _too_many(len(value), MAX_ITEMS)
+    for i, thread in enumerate(value):
+        try:
+            _check_thread(thread)
+        except _Invalid as bad:
+            bad.path.insert(0, f"[{i}]")
+            raise
 
 
-def _compile(hint: Any) -> Any:
-    """A checker for one field: the generic walk, or a fast path for hot shapes."""
+def _check_thread(thread: Any) -> None:
+    # Viewers turn frames into (str, int, str) tuples; a frame of another shape
+    # would make drawing the stack raise in the watcher.
+    if type(thread) is not dict:
+        raise _Invalid(f"expected map, got {type(thread).__name__}")
+    for key, want in (("name", str), ("ident", int), ("main", bool)):
+        if key in thread and type(thread[key]) is not want:
+            raise _Invalid(f"{key} must be {want.__name__}")
+    frames = thread.get("frames", [])
+    if type(frames) is not list or len(frames) > MAX_ITEMS:
+        raise _Invalid(f"frames must be a list of at most {MAX_ITEMS}")
+    for frame in frames:
+        if (
+            type(frame) is not list
+            or len(frame) != 3
+            or tuple(map(type, frame)) != _FRAME_TYPES
+            or not _I64_MIN <= frame[1] <= _U64
+        ):
+            raise _Invalid("frames must be [file, line, function]")
+    for key, v in thread.items():
+        if key not in ("name", "ident", "main", "frames"):
+            _check_plain(v, 1)
+
+
+#: Checkers for fields whose annotation alone says too little or too much.
+_FIELD_CHECKS: dict[tuple[str, str], Any] = {
+    **{
+        ("step", f): _int_list(MAX_BUCKETS)
+        for f in ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns")
+    },
+    ("buckets", "index"): _int_list(MAX_BUCKETS),
+    ("buckets", "nbytes"): _int_list(MAX_BUCKETS),
+    ("buckets", "dtype"): lambda v: _check(v, list[str], MAX_BUCKETS),
+    ("buckets", "params"): lambda v: _check(v, list[list[int]], MAX_BUCKETS),
+    ("fingerprint", "params"): _int_list(MAX_TENSORS),
+    ("fingerprint", "buffers"): _int_list(MAX_TENSORS),
+    ("run_info", "params"): _tensor_list(4),
+    ("run_info", "buffers"): _tensor_list(3),
+    ("stacks", "threads"): _check_threads,
+}
+
+#: Parallel lists: readers zip them, so they must have one length.
+_PARALLEL: dict[str, tuple[str, ...]] = {
+    "step": ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns"),
+    "buckets": ("index", "nbytes", "dtype", "params"),
+    "collectives": ("ops", "groups", "sites", "counts"),
+}
+
+
+def _compile(kind: str, name: str, hint: Any) -> Any:
+    """A checker for one field: the generic walk, or a specific one for hot or loose shapes."""
+    special = _FIELD_CHECKS.get((kind, name))
+    if special is not None:
+        return special
     if hint == list[int]:
-        return _check_int_list
-    return lambda value, where: _check(value, hint, where)
+        return _int_list(MAX_ITEMS)
+    return lambda value: _check(value, hint)
 
 
 class _Spec:
-    __slots__ = ("cls", "fields", "required")
+    __slots__ = ("cls", "fields", "parallel", "required")
 
     def __init__(self, cls: type[Message]) -> None:
         hints = typing.get_type_hints(cls)
         self.cls = cls
-        self.fields = {f.name: _compile(hints[f.name]) for f in dataclasses.fields(cls)}
+        self.fields = {
+            f.name: _compile(cls.KIND, f.name, hints[f.name]) for f in dataclasses.fields(cls)
+        }
         self.required = frozenset(
             f.name
             for f in dataclasses.fields(cls)
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
+        self.parallel = _PARALLEL.get(cls.KIND, ())
 
 
 _SPECS = {kind: _Spec(cls) for kind, cls in MESSAGE_TYPES.items()}
 
 
+def _no_ext(code: int, data: bytes) -> Any:
+    # ddpscope never sends extension types; a namedtuple where a list is
+    # expected only confuses readers.
+    raise SchemaError("not a msgpack message", f"extension type {code} is not used by ddpscope")
+
+
 def _unpack(buf: bytes) -> Any:
     if len(buf) > MAX_MESSAGE_BYTES:
-        raise SchemaError(f"message of {len(buf)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        raise SchemaError("message too large", f"{len(buf)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         return msgpack.unpackb(
             buf,
             raw=False,
             strict_map_key=True,
             use_list=True,
+            ext_hook=_no_ext,
+            max_str_len=MAX_STRING_BYTES,
+            max_bin_len=MAX_STRING_BYTES,
+            max_array_len=MAX_TENSORS,
+            max_map_len=MAX_ITEMS,
         )
     except SchemaError:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for malformed input
-        raise SchemaError(f"not a msgpack message: {exc.__class__.__name__}: {exc}") from None
+        raise SchemaError(
+            "not a msgpack message", f"{exc.__class__.__name__}: {str(exc)[:200]}"
+        ) from None
 
 
 def decode(buf: bytes) -> Message:
     """Decode and validate one message. Raises SchemaError on anything odd."""
     body = _unpack(buf)
     if not isinstance(body, dict):
-        raise SchemaError(f"message is a {type(body).__name__}, expected a map")
+        raise SchemaError("not a map", f"message is a {type(body).__name__}, expected a map")
     version = body.get("v")
     if version != SCHEMA_VERSION:
         raise SchemaError(
-            f"schema version {version!r}; this ddpscope reads version {SCHEMA_VERSION}"
+            "schema version",
+            f"message has version {_short(version)}; this ddpscope reads version {SCHEMA_VERSION}",
         )
     kind = body.pop("k", None)
     spec = _SPECS.get(kind) if isinstance(kind, str) else None
     if spec is None:
-        raise SchemaError(f"unknown message kind {kind!r}")
+        raise SchemaError("unknown message kind", _short(kind))
     missing = spec.required - body.keys()
     if missing:
-        raise SchemaError(f"{kind}: missing field(s) {', '.join(sorted(missing))}")
+        raise SchemaError(kind, f"missing field(s) {', '.join(sorted(missing))}")
     kwargs = {}
+    fields = spec.fields
     for name, value in body.items():
-        check = spec.fields.get(name)
+        check = fields.get(name)
         if check is None:
             continue  # a newer sender's extra field: ignore, stay compatible
-        check(value, f"{kind}.{name}")
+        try:
+            check(value)
+        except _Invalid as bad:
+            raise SchemaError(f"{kind}.{name}", bad.text()) from None
         kwargs[name] = value
-    if kwargs["rank"] < 0:
-        raise SchemaError(f"{kind}.rank: negative rank {kwargs['rank']}")
+    rank = kwargs["rank"]
+    if rank < 0:
+        raise SchemaError(f"{kind}.rank", f"negative rank {rank}")
+    if rank >= MAX_WORLD_SIZE:
+        raise SchemaError(f"{kind}.rank", f"rank {rank} is beyond {MAX_WORLD_SIZE} ranks")
+    if spec.parallel:
+        _check_parallel(kind, spec.parallel, kwargs)
+    if kind == "run_info" and not 0 < kwargs["world_size"] <= MAX_WORLD_SIZE:
+        raise SchemaError(
+            "run_info.world_size", f"{kwargs['world_size']} is not in 1..{MAX_WORLD_SIZE}"
+        )
     return spec.cls(**kwargs)
+
+
+def _check_parallel(kind: str, names: tuple[str, ...], kwargs: dict[str, Any]) -> None:
+    first = names[0]
+    n = len(kwargs.get(first, ()))
+    for name in names[1:]:
+        m = len(kwargs.get(name, ()))
+        if m != n:
+            raise SchemaError(f"{kind}.{name}", f"{m} items where {first} has {n}")

@@ -8,11 +8,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddpscope.schema import (
+    MAX_BUCKETS,
+    MAX_DEPTH,
+    MAX_DIMS,
+    MAX_ITEMS,
     MAX_MESSAGE_BYTES,
+    MAX_STRING_BYTES,
+    MAX_TENSORS,
+    MAX_WORLD_SIZE,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
     Heartbeat,
+    RunInfo,
     SchemaError,
+    Stacks,
     Step,
     decode,
     encode,
@@ -75,7 +84,7 @@ def test_missing_required_field_is_named() -> None:
 def test_wrong_type_names_the_field() -> None:
     body = msgpack.unpackb(encode(_step()))
     body["b_dur_ns"] = [1, "two"]
-    with pytest.raises(SchemaError, match=r"step.b_dur_ns\[1\]: expected int"):
+    with pytest.raises(SchemaError, match=r"^step.b_dur_ns: at \[1\]: expected int"):
         decode(msgpack.packb(body))
 
 
@@ -89,7 +98,10 @@ def test_bool_is_not_accepted_as_int() -> None:
 def test_other_schema_version_is_rejected_with_both_versions() -> None:
     body = msgpack.unpackb(encode(_step()))
     body["v"] = SCHEMA_VERSION + 1
-    with pytest.raises(SchemaError, match=f"schema version {SCHEMA_VERSION + 1}.*reads version"):
+    with pytest.raises(
+        SchemaError,
+        match=f"schema version: message has version {SCHEMA_VERSION + 1}.*reads version",
+    ):
         decode(msgpack.packb(body))
 
 
@@ -167,3 +179,167 @@ def test_hostile_maps_raise_schema_error_only(kind: str, body: dict) -> None:
         decode(packed)
     except SchemaError:
         pass
+
+
+# --- bounds on hostile input ----------------------------------------------------
+
+
+def _packed(msg: object, **over: object) -> bytes:
+    body = msgpack.unpackb(encode(msg))  # type: ignore[arg-type]
+    body.update(over)
+    return msgpack.packb(body)
+
+
+def _run_info(**over: object) -> RunInfo:
+    fields: dict = dict(
+        run="r1",
+        rank=0,
+        local_rank=0,
+        world_size=2,
+        local_world_size=2,
+        host="h",
+        pid=1,
+        backend="gloo",
+        device="cpu",
+        versions={"torch": "2"},
+        ddp={"bucket_cap_bytes": 1 << 20},
+        params=[["w", [4, 4], "float32", True]],
+        buffers=[["b", [], "int64"]],
+        wall_ns=1,
+        mono_ns=1,
+        started_wall_ns=1,
+    )
+    fields.update(over)
+    return RunInfo(**fields)
+
+
+def test_reject_reasons_do_not_carry_what_the_sender_chose() -> None:
+    # Counters key on the reason: a flood of distinct bad kinds, versions, list
+    # positions or map keys must land on a handful of keys, not one per message.
+    reasons = set()
+    for i in range(50):
+        bad = [
+            msgpack.packb({"v": SCHEMA_VERSION, "k": f"kind{i}", "run": "", "rank": 0}),
+            msgpack.packb({"v": 1000 + i, "k": "step"}),
+            _packed(_step(), b_dur_ns=[1] * i + ["x"] + [1] * (49 - i), b_index=[0] * 50),
+            _packed(_run_info(), versions={f"key{i}": i}),
+        ]
+        for raw in bad:
+            with pytest.raises(SchemaError) as err:
+                decode(raw)
+            assert str(err.value).split(":")[0] == err.value.reason
+            reasons.add(err.value.reason)
+    assert reasons == {
+        "unknown message kind",
+        "schema version",
+        "step.b_dur_ns",
+        "run_info.versions",
+    }
+
+
+def test_world_size_and_rank_are_bounded() -> None:
+    assert decode(encode(_run_info(world_size=MAX_WORLD_SIZE))).world_size == MAX_WORLD_SIZE
+    with pytest.raises(SchemaError, match=r"^run_info.world_size: 1000000000 is not in 1\.\."):
+        decode(encode(_run_info(world_size=10**9)))
+    with pytest.raises(SchemaError, match="^run_info.world_size"):
+        decode(encode(_run_info(world_size=0)))
+    with pytest.raises(SchemaError, match=f"^step.rank: rank {MAX_WORLD_SIZE} is beyond"):
+        decode(encode(_step(rank=MAX_WORLD_SIZE)))
+
+
+def test_bucket_arrays_must_be_parallel_and_bounded() -> None:
+    with pytest.raises(SchemaError, match="^step.b_dur_ns: 1 items where b_index has 2"):
+        decode(encode(_step(b_dur_ns=[1])))
+    with pytest.raises(SchemaError, match="^step.b_nbytes: 0 items where b_index has 2"):
+        decode(_packed(_step(), b_nbytes=[]))
+    n = MAX_BUCKETS + 1
+    many = _step(b_index=[0] * n, b_nbytes=[0] * n, b_offset_ns=[0] * n, b_dur_ns=[0] * n)
+    with pytest.raises(SchemaError, match=f"^step.b_index: {n} items, more than {MAX_BUCKETS}"):
+        decode(encode(many))
+
+
+def test_strings_lists_and_maps_are_bounded_before_they_are_built() -> None:
+    with pytest.raises(SchemaError, match="^not a msgpack message: .*max_str_len"):
+        decode(encode(_step(clock="x" * (MAX_STRING_BYTES + 1))))
+    with pytest.raises(SchemaError, match=f"^collectives.ops: {MAX_ITEMS + 1} items"):
+        decode(
+            msgpack.packb(
+                {
+                    "v": 1,
+                    "k": "collectives",
+                    "run": "r",
+                    "rank": 0,
+                    "step": 1,
+                    "ops": ["x"] * (MAX_ITEMS + 1),
+                }
+            )
+        )
+    with pytest.raises(SchemaError, match="^not a msgpack message: .*max_map_len"):
+        decode(_packed(_step(), junk={str(i): 0 for i in range(MAX_ITEMS + 1)}))
+
+
+def test_free_form_values_cannot_nest_deeper_than_the_limit() -> None:
+    deep: object = 1
+    for _ in range(MAX_DEPTH):
+        deep = [deep]
+    assert decode(encode(_run_info(options={"x": deep}))).options == {"x": deep}
+    with pytest.raises(
+        SchemaError, match=f"^run_info.options: at \\['x'\\].*deeper than {MAX_DEPTH}"
+    ):
+        decode(encode(_run_info(options={"x": [deep]})))
+    # Far deeper than Python's recursion limit: msgpack's own stack stops it.
+    with pytest.raises(SchemaError, match="^not a msgpack message"):
+        decode(b"\x81\xa1v" + b"\x91" * 5000 + b"\x01")
+
+
+def test_extension_types_are_not_part_of_the_schema() -> None:
+    with pytest.raises(SchemaError, match="^not a msgpack message: extension type 5"):
+        decode(_packed(_run_info(), ddp={"x": msgpack.ExtType(5, b"xx")}))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [[]],
+        [["w"]],
+        [["w", [4], "float32"]],
+        [[1, [4], "float32", True]],
+        [["w", [4, "4"], "float32", True]],
+        [["w", [-1], "float32", True]],
+        [["w", [1] * (MAX_DIMS + 1), "float32", True]],
+        [["w", [4], "float32", 1]],
+        [["w", 4, "float32", True]],
+    ],
+)
+def test_malformed_parameter_entries_are_rejected(params: list) -> None:
+    with pytest.raises(SchemaError, match="^run_info.params: at \\[0\\]"):
+        decode(encode(_run_info(params=params)))
+
+
+def test_stack_frames_must_be_file_line_function() -> None:
+    def stacks(frames: list) -> Stacks:
+        thread = {"name": "MainThread", "ident": 1, "main": True, "frames": frames}
+        return Stacks(run="r", rank=0, reason="request", phase="idle", step=0, threads=[thread])
+
+    good = stacks([["train.py", 3, "main"]])
+    assert decode(encode(good)) == good
+    for frames in ([["train.py", "3", "main"]], [["train.py", 3]], [None], [["a", 1.5, "f"]]):
+        with pytest.raises(SchemaError, match="^stacks.threads: at \\[0\\]: frames must be"):
+            decode(encode(stacks(frames)))
+
+
+def test_every_bound_is_in_the_documented_table() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "wire-schema.md").read_text()
+    section = doc[doc.index("## Validation limits and hostile input") :]
+    for name, value in [
+        ("MAX_STRING_BYTES", MAX_STRING_BYTES),
+        ("MAX_ITEMS", MAX_ITEMS),
+        ("MAX_TENSORS", MAX_TENSORS),
+        ("MAX_BUCKETS", MAX_BUCKETS),
+        ("MAX_WORLD_SIZE", MAX_WORLD_SIZE),
+    ]:
+        assert f"`{name}`" in section and f"{value:,}" in section, name
+    assert f"(`MAX_DEPTH`) | {MAX_DEPTH} levels" in section
+    assert f"(`MAX_DIMS`) | {MAX_DIMS} |" in section

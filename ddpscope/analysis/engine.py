@@ -7,12 +7,18 @@ silent ranks) look at the clock. Live and replay call the same two methods.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
 from ddpscope.analysis.findings import FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import Message
+
+#: Runs a bounded (live) Analysis keeps. Each message may name a new run id, so
+#: without a cap a peer sending ever new ids would grow memory without end;
+#: real streams hold one run, or a few after elastic restarts.
+MAX_RUNS = 16
 
 
 class Detector(Protocol):
@@ -26,6 +32,9 @@ class Detector(Protocol):
 
     def tick(self, run: RunState, book: FindingBook) -> None:
         """Called periodically; ``run.now_ns`` is the current analysis time."""
+
+    # Optional, looked up with getattr: ``forget(run_id)`` drops what the
+    # detector keeps for a run the Analysis dropped (see _forget below).
 
 
 class Analysis:
@@ -41,6 +50,11 @@ class Analysis:
         self.detectors = list(detectors)
         #: Detector failures, by detector class name: a bug must not stop analysis.
         self.detector_errors: dict[str, str] = {}
+        #: Messages every run refused, by reason, including those that would
+        #: have started a run and so were not kept anywhere else.
+        self.rejected: Counter[str] = Counter()
+        #: Runs dropped to stay within MAX_RUNS (live only).
+        self.runs_dropped = 0
 
     @property
     def latest(self) -> RunState | None:
@@ -51,12 +65,23 @@ class Analysis:
         return self.books[run.run_id]
 
     def feed(self, msg: Message, rx_ns: int) -> RunState:
+        """Route ``msg`` to its run. The run returned is not kept when the
+        message would have started it but was refused: a refused message
+        must not become the newest run, the one a watcher follows."""
         run = self.runs.get(msg.run)
         if run is None:
-            run = self.runs[msg.run] = RunState(msg.run, self.history)
+            run = RunState(msg.run, self.history, totals=self.rejected)
+            if not run.ingest(msg, rx_ns):
+                return run
+            self.runs[msg.run] = run
             self.books[msg.run] = FindingBook()
             self._order.append(msg.run)
-        if run.ingest(msg, rx_ns):
+            if self.history is not None and len(self.runs) > MAX_RUNS:
+                self._drop_stalest_run()
+            accepted = True
+        else:
+            accepted = run.ingest(msg, rx_ns)
+        if accepted:
             book = self.books[msg.run]
             book.now_ns = run.now_ns
             for det in self.detectors:
@@ -65,6 +90,22 @@ class Analysis:
                 except Exception as exc:  # one broken detector must not blind the others
                     self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
         return run
+
+    def _drop_stalest_run(self) -> None:
+        newest = self._order[-1]
+        stalest = min(
+            (r for r in self.runs.values() if r.run_id != newest), key=lambda r: r.last_rx_ns
+        )
+        run_id = stalest.run_id
+        del self.runs[run_id]
+        del self.books[run_id]
+        self._order.remove(run_id)
+        self.runs_dropped += 1
+        for det in self.detectors:
+            try:
+                _forget(det, run_id)
+            except Exception as exc:
+                self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
 
     def tick(self, now_ns: int) -> None:
         for run_id, run in self.runs.items():
@@ -76,3 +117,18 @@ class Analysis:
                     det.tick(run, book)
                 except Exception as exc:
                     self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
+
+
+def _forget(det: Detector, run_id: str) -> None:
+    forget = getattr(det, "forget", None)
+    if forget is not None:
+        forget(run_id)
+        return
+    # Detectors keep what they know of each run in dicts (or sets) keyed by its
+    # id. Without their own forget(), dropping those entries is what frees a
+    # dropped run; otherwise ever new run ids would still grow memory there.
+    for value in getattr(det, "__dict__", {}).values():
+        if isinstance(value, dict):
+            value.pop(run_id, None)
+        elif isinstance(value, set):
+            value.discard(run_id)

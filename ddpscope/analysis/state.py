@@ -13,11 +13,13 @@ Live mode bounds every history (``history`` steps); a report reads with
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.schema import (
+    MAX_WORLD_SIZE,
     BatchInfo,
     BucketLayout,
     Collectives,
@@ -36,8 +38,9 @@ from ddpscope.schema import (
     Step,
 )
 
-#: World sizes beyond this are hostile or corrupt, not real.
-MAX_WORLD = 1 << 16
+#: World sizes beyond this are hostile or corrupt, not real (the decoder's bound;
+#: checked again here for messages built in process, which never went through it).
+MAX_WORLD = MAX_WORLD_SIZE
 #: Fingerprints kept per rank in live mode.
 MAX_FINGERPRINTS = 64
 #: Sampler passes kept per rank in live mode.
@@ -107,15 +110,22 @@ class RankView:
 
 
 class RunState:
-    def __init__(self, run_id: str, history: int | None = 2048) -> None:
+    def __init__(
+        self, run_id: str, history: int | None = 2048, totals: Counter[str] | None = None
+    ) -> None:
+        """``totals``: a counter shared with other runs that every rejection also goes to."""
         self.run_id = run_id
         self.history = history
         self.ranks: dict[int, RankView] = {}
         #: step index -> rank -> Step, for cross-rank comparisons.
         self.by_step: dict[int, dict[int, Step]] = {}
+        #: Highest step index taken: the history window ends there.
+        self.newest_step = -1
         self.world_size = 0
         self.received = 0
+        #: Messages refused, by reason (a short fixed phrase).
         self.rejected: Counter[str] = Counter()
+        self._totals = totals
         self.first_rx_ns = 0
         self.last_rx_ns = 0
         #: Newest analysis-clock time known (advanced by ingest and by ticks).
@@ -151,32 +161,19 @@ class RunState:
 
     def _reject(self, why: str) -> bool:
         self.rejected[why] += 1
+        if self._totals is not None:
+            self._totals[why] += 1
         return False
 
     def ingest(self, msg: Message, rx_ns: int) -> bool:
         """Take one message. False when it was a duplicate or had absurd values."""
-        if self.world_size and msg.rank >= self.world_size:
+        if msg.rank >= MAX_WORLD or (self.world_size and msg.rank >= self.world_size):
             return self._reject("rank outside the world")
-        if msg.rank >= MAX_WORLD:
-            return self._reject("rank outside the world")
-        if isinstance(msg, RunInfo) and (
-            not 0 < msg.world_size <= MAX_WORLD or msg.rank >= msg.world_size
-        ):
-            return self._reject("absurd world size")
-        if isinstance(msg, Step) and (
-            msg.t_end < msg.t_start
-            or min(
-                msg.data_ns,
-                msg.forward_ns,
-                msg.backward_ns,
-                msg.optimizer_ns,
-                msg.comm_wait_ns,
-                msg.other_ns,
-                msg.step,
-            )
-            < 0
-        ):
-            return self._reject("negative duration")
+        absurd = _ABSURD.get(type(msg))
+        if absurd is not None:
+            why = absurd(msg)
+            if why:
+                return self._reject(why)
         view = self.rank(msg.rank)
         if not self._count_seq(view, msg):
             return False
@@ -224,10 +221,13 @@ class RunState:
             steps.clear()
             steps.extend(items)
         view.last_step_rx_ns = max(view.last_step_rx_ns, rx_ns)
+        self.newest_step = max(self.newest_step, msg.step)
         if self.history is not None:
             while len(steps) > self.history:
                 steps.popleft()
-            floor = msg.step - self.history
+            # The window ends at the newest step of any rank, not at this one: a
+            # stream of ever older steps must not keep every one of them.
+            floor = self.newest_step - self.history
             # Trim in batches (a quarter of the history) rather than every step.
             if len(self.by_step) > self.history + max(8, self.history // 4):
                 for s in [s for s in self.by_step if s < floor]:
@@ -305,6 +305,56 @@ class RunState:
     def _on_shutdown(self, view: RankView, msg: Shutdown, rx_ns: int) -> bool:
         view.shutdown = msg
         return True
+
+
+def _absurd_run_info(msg: RunInfo) -> str:
+    if not 0 < msg.world_size <= MAX_WORLD or msg.rank >= msg.world_size:
+        return "absurd world size"
+    return ""
+
+
+def _absurd_step(msg: Step) -> str:
+    if msg.t_end < msg.t_start or (
+        min(
+            msg.data_ns,
+            msg.forward_ns,
+            msg.backward_ns,
+            msg.optimizer_ns,
+            msg.comm_wait_ns,
+            msg.other_ns,
+            msg.step,
+        )
+        < 0
+    ):
+        return "negative duration"
+    return ""
+
+
+def _absurd_heartbeat(msg: Heartbeat) -> str:
+    # Loss shares divide by these counters; a negative one can zero the divisor.
+    if (
+        min(
+            msg.step,
+            msg.sent,
+            msg.dropped_queue,
+            msg.dropped_send,
+            msg.join_shadow,
+            msg.rejected_requests,
+        )
+        < 0
+    ):
+        return "negative counter"
+    if not (math.isfinite(msg.in_phase_s) and math.isfinite(msg.cpu_pct)):
+        return "non-finite value"
+    return ""
+
+
+#: Per kind, what makes a message impossible: the reason, or "" when it is fine.
+_ABSURD: dict[type, Any] = {
+    RunInfo: _absurd_run_info,
+    Step: _absurd_step,
+    Heartbeat: _absurd_heartbeat,
+}
 
 
 _HANDLERS: dict[type, Any] = {

@@ -63,10 +63,11 @@ class RankFile:
                 raise RecordError(f"{path}: header is not readable: {exc}") from None
             if not isinstance(header, dict):
                 raise RecordError(f"{path}: header is not a map")
+            _check_header(path, header)
             self.header: dict[str, Any] = header
             self._data_offset = f.tell()
         self.rank = _int(header.get("rank"), -1)
-        self.run_id = str(header.get("run_id", ""))
+        self.run_id: str = header.get("run_id") or ""
         self.truncated_bytes = 0
         self.end_offset = self._data_offset
 
@@ -229,6 +230,36 @@ def open_run(directory: str, run_id: str | None = None) -> Recording:
         messages.setdefault(rf.rank, []).extend(rf.messages())
         problems.extend(rf.problems)
     return Recording(run=run, messages=messages, problems=problems)
+
+
+#: Header keys readers use, and their types (record-format.md). Readers call
+#: str() on them or compare them; a value of another type (a list nested a
+#: thousand deep, say) would make that raise far from here.
+_HEADER_TYPES: dict[str, type] = {
+    "run_id": str,
+    "rank": int,
+    "world_size": int,
+    "host": str,
+    "pid": int,
+    "schema_version": int,
+    "versions": dict,
+    "wall_ns": int,
+    "mono_ns": int,
+}
+
+
+def _check_header(path: str, header: dict[str, Any]) -> None:
+    for key, want in _HEADER_TYPES.items():
+        value = header.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise RecordError(
+                f"{path}: header field {key!r} is a {type(value).__name__} (file is corrupt)"
+            )
+    versions = header.get("versions") or {}
+    if not all(isinstance(v, str) for v in versions.values()):
+        raise RecordError(f"{path}: header field 'versions' holds non-strings (file is corrupt)")
 
 
 def _int(value: Any, default: int) -> int:
