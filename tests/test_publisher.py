@@ -223,3 +223,25 @@ def test_a_watcher_that_never_comes_delays_the_first_sends_only_briefly(
     pub.close()
     ends = [m.reason for m in open_run(str(tmp_path)).messages[3] if isinstance(m, End)]
     assert ends[0] == "early"
+
+
+def test_records_are_written_at_once_while_sends_wait_for_a_subscriber(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """A rank killed in its first half second must still leave what it did on disk."""
+    pub = _publisher(endpoint, tmp_path)
+    pub.start()
+    pub.post("end", 0, {"reason": "early", "step": 0})
+    deadline = time.monotonic() + 0.4  # inside the grace period: nobody has subscribed
+    found: list[str] = []
+    while not found and time.monotonic() < deadline:
+        time.sleep(0.02)
+        runs = list(tmp_path.rglob("*.ddps"))
+        if runs:
+            found = [
+                m.reason for m in open_run(str(tmp_path)).messages.get(3, []) if isinstance(m, End)
+            ]
+    held_sends = pub.sent
+    pub.close()
+    assert found == ["early"], "the record was written during the grace period"
+    assert held_sends == 0, "while the sends still waited for a subscriber"

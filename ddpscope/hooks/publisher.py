@@ -39,10 +39,14 @@ Finisher = Callable[[Any, bool], "dict[str, Any] | None"]
 Periodic = Callable[[], "list[tuple[str, int, dict[str, Any]]]"]
 
 TICK_S = 0.05
-#: At start, the thread holds its first messages this long at most for the
+#: At start, the thread holds its first sends this long at most for the
 #: watcher's (or relay's) subscription: ZeroMQ discards what a PUB sends before
 #: it, so a run's first messages would otherwise be lost to a listening peer.
+#: Only the sends wait: records are written at once, and the hot-path queue is
+#: drained as always (a rank killed in its first half second leaves a file).
 CONNECT_GRACE_S = 0.5
+#: Sends held in the grace period at most (beyond: counted as dropped sends).
+HOLD_MAX = 4096
 #: A payload whose finisher is still not ready after this long is forced out.
 FORCE_AFTER_NS = 10_000_000_000
 
@@ -98,6 +102,9 @@ class Publisher:
         self.rejected_requests = 0
         #: Subscription notices from the watcher or relay (0: nobody subscribed yet).
         self.subscriptions = 0
+        #: Payloads waiting for the first subscription (None: not holding any more).
+        self._held: list[bytes] | None = []
+        self._hold_until = 0.0
         self.error = ""
         self._stuck_key: tuple[str, int] | None = None
         self._writer: RecordWriter | None = None
@@ -156,7 +163,7 @@ class Publisher:
             now = time.monotonic()
             next_beat = now
             next_resend = now
-            self._await_subscriber(now + CONNECT_GRACE_S)
+            self._hold_until = now + CONNECT_GRACE_S
             poller = zmq.Poller()
             poller.register(self._ctl, zmq.POLLIN)
             poller.register(self._pub, zmq.POLLIN)
@@ -171,6 +178,10 @@ class Publisher:
                         self._read_subscriptions()
                     if any(mon in ready for mon in self._monitors):
                         self._check_handshakes()
+                if self._held is not None and (
+                    self.subscriptions or time.monotonic() >= self._hold_until
+                ):
+                    self._release_held()
                 self._drain(force=False)
                 now = time.monotonic()
                 if now >= next_resend:
@@ -182,16 +193,10 @@ class Publisher:
         except Exception as exc:  # never let an error reach training
             self._fail(exc)
 
-    def _await_subscriber(self, deadline: float) -> None:
-        """Wait (bounded) for the first subscription; queued items wait with it."""
-        while not self._stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if self._pub.poll(int(min(left, TICK_S) * 1000) + 1, zmq.POLLIN):
-                self._read_subscriptions()
-                return
-            self._check_handshakes()
+    def _release_held(self) -> None:
+        held, self._held = self._held or [], None
+        for payload in held:
+            self._send(payload)
 
     def _read_subscriptions(self) -> None:
         # Subscribe/unsubscribe notices from the peer; reading them is all that
@@ -244,6 +249,15 @@ class Publisher:
                 self.error = f"recording stopped: {exc}"
                 self._writer.close()
                 self._writer = None
+        if self._held is not None:
+            if len(self._held) < HOLD_MAX:
+                self._held.append(payload)
+            else:
+                self.dropped_send += 1
+            return
+        self._send(payload)
+
+    def _send(self, payload: bytes) -> None:
         try:
             self._pub.send(payload, zmq.DONTWAIT)
             self.sent += 1
@@ -335,6 +349,9 @@ class Publisher:
             self.state.enter("exited")
             self._heartbeat()  # final counters (drops, join shadows) into the record
             self._emit("end", 0, {"reason": reason, "step": self.state.step, "error": error}, True)
+            if self._held is not None:  # a job shorter than the grace period
+                self._read_subscriptions()
+                self._release_held()
         except Exception:  # exit must never fail because of ddpscope
             pass
         self._shutdown_io()
