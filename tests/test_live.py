@@ -339,3 +339,19 @@ def test_a_failing_detector_is_named_in_the_health_line_and_ingest_goes_on(endpo
         snap = feed.snapshot()
     assert "detector errors: _BrokenDetector" in snap.health.detector_note
     assert [r.step for r in snap.rows] == [5, 5]
+
+
+def test_the_bucket_view_handles_more_buckets_than_any_real_model() -> None:
+    import synth
+
+    from ddpscope.analysis.engine import Analysis
+
+    analysis = synth.feed(
+        Analysis([], history=64),
+        [*synth.run_infos(2), *synth.lockstep(2, 6, synth.constant(), buckets=5000)],
+    )
+    run = analysis.latest
+    assert run is not None
+    matrix = views.bucket_matrix(run)
+    assert matrix is not None and len(matrix.buckets) == 5000
+    assert len(matrix.wait_ms) == 2 and len(matrix.wait_ms[0]) == 5000

@@ -222,7 +222,13 @@ class LiveFeed:
                 self.monitor.stacks_asked(rank)
 
     def _publish(self, request: SnapshotRequest) -> None:
-        snap = self.monitor.build(request, self._stats())
+        try:
+            snap = self.monitor.build(request, self._stats())
+        except Exception as exc:  # a snapshot that cannot be built must not stop ingest
+            self.monitor.ingest_errors += 1
+            self.monitor.last_ingest_error = f"snapshot: {type(exc).__name__}: {exc}"
+            log.exception("ddpscope watch: building a snapshot failed")
+            return
         with self._built:
             self.latest = snap
             self._seq = snap.seq

@@ -243,13 +243,13 @@ class Monitor:
         )
 
     def _health(self, run: RunState | None, stats: FeedStats, now_mono: int) -> Health:
-        rejected = stats.rejected
+        # Every run's refusals, and refused messages that started no run.
+        rejected = stats.rejected + sum(self.analysis.rejected.values())
         reasons: Counter[str] = Counter(dict(stats.rejected_reasons))
+        reasons.update(self.analysis.rejected)
         dropped = 0
         silent: tuple[int, ...] = ()
         if run is not None:
-            rejected += sum(run.rejected.values())
-            reasons.update(run.rejected)
             for view in run.ranks.values():
                 if stats.gaps < 0:
                     dropped += view.missing

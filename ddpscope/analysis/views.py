@@ -249,9 +249,6 @@ def _recent_complete_steps(run: RunState, wanted: int) -> list[int]:
     return [best] if best is not None else []
 
 
-_ONES = [1] * 4096
-
-
 def bucket_matrix(run: RunState) -> BucketMatrix | None:
     steps = _recent_complete_steps(run, BUCKET_STEPS)
     if not steps:
@@ -291,7 +288,7 @@ def bucket_matrix(run: RunState) -> BucketMatrix | None:
         for r, row in durations.items():
             if None not in row:  # whole rows in C: this loop runs ranks x steps times
                 sums[r] = list(map(add, sums[r], map(sub, row, fastest)))
-                counts[r] = list(map(add, counts[r], _ONES[:n]))
+                counts[r] = [c + 1 for c in counts[r]]
                 continue
             acc, cnt = sums[r], counts[r]
             for k, (d, f) in enumerate(zip(row, fastest, strict=True)):
