@@ -245,3 +245,22 @@ def test_records_are_written_at_once_while_sends_wait_for_a_subscriber(
     pub.close()
     assert found == ["early"], "the record was written during the grace period"
     assert held_sends == 0, "while the sends still waited for a subscriber"
+
+
+def test_a_flood_of_stack_requests_is_answered_at_most_twice_a_second(endpoint: str) -> None:
+    with Subscriber(endpoint) as sub:
+        pub = _publisher(endpoint)
+        pub.start()
+        _wait_for(sub, lambda m: isinstance(m, Heartbeat))
+        began = time.monotonic()
+        while time.monotonic() - began < 1.0:
+            sub.request("stacks")
+            time.sleep(0.005)
+        answers = 0
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            msg = sub.recv(50)
+            answers += isinstance(msg, Stacks) and msg.reason == "request"
+        pub.close()
+    assert 1 <= answers <= 3
+    assert pub.throttled_requests > 50

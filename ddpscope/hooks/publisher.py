@@ -45,6 +45,8 @@ TICK_S = 0.05
 #: Only the sends wait: records are written at once, and the hot-path queue is
 #: drained as always (a rank killed in its first half second leaves a file).
 CONNECT_GRACE_S = 0.5
+#: A rank answers each kind of request (stacks, fingerprint) at most this often.
+REQUEST_EVERY_S = 0.5
 #: Sends held in the grace period at most (beyond: counted as dropped sends).
 HOLD_MAX = 4096
 #: A payload whose finisher is still not ready after this long is forced out.
@@ -100,6 +102,10 @@ class Publisher:
         self.dropped_queue = 0
         self.dropped_send = 0
         self.rejected_requests = 0
+        #: Requests ignored because the same one was answered less than
+        #: REQUEST_EVERY_S ago.
+        self.throttled_requests = 0
+        self._last_served: dict[str, float] = {}
         #: Subscription notices from the watcher or relay (0: nobody subscribed yet).
         self.subscriptions = 0
         #: Payloads waiting for the first subscription (None: not holding any more).
@@ -326,6 +332,13 @@ class Publisher:
                 continue
             if msg.target not in (-1, self.rank) or msg.run not in ("", self.run_id):
                 continue
+            now = time.monotonic()
+            if now - self._last_served.get(msg.what, -REQUEST_EVERY_S) < REQUEST_EVERY_S:
+                # Whoever can reach the control socket must not be able to make
+                # a rank dump stacks or fingerprint its weights at will.
+                self.throttled_requests += 1
+                continue
+            self._last_served[msg.what] = now
             if msg.what == "stacks":
                 self.send_stacks("request")
             handler = self._handlers.get(msg.what)
