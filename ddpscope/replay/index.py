@@ -76,9 +76,13 @@ class Stream:
         self.tmax = array("q")
         self.offset = array("q")
         self.kind = array("b")
-        #: Record positions of step messages, and their step numbers.
+        #: Record positions of step messages, and the two figures of each that
+        #: the step-time sparklines draw (step time, and busy time: step time
+        #: minus all-reduce wait, ms), so a seek fills the sparklines without
+        #: decoding 120 steps of every rank.
         self.step_pos = array("q")
-        self.step_no = array("q")
+        self.step_ms = array("d")
+        self.busy_ms = array("d")
         #: Record positions per other kind, to find the newest of each before a point.
         self.by_kind: dict[int, array[int]] = {}
         #: Messages lost before they were recorded (gaps in sequence numbers),
@@ -103,7 +107,9 @@ class Stream:
         if code == STEP:
             assert isinstance(msg, Step)
             self.step_pos.append(pos)
-            self.step_no.append(msg.step)
+            step_ms = (msg.t_end - msg.t_start) / 1e6  # as the monitor computes it
+            self.step_ms.append(step_ms)
+            self.busy_ms.append(step_ms - msg.comm_wait_ns / 1e6)
         else:
             self.by_kind.setdefault(code, array("q")).append(pos)
         if msg.seq >= 0:  # re-sent run info carries -1

@@ -29,14 +29,17 @@ from typing import Any
 
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
+from ddpscope.analysis.views import DETAIL_STEPS, SERIES_LEN, RunExtras
 from ddpscope.record.format import MAX_RECORD_BYTES, RECORD_HEAD, crc32
 from ddpscope.replay.index import KIND_CODE, RecordingIndex, Stream
 from ddpscope.schema import Message, SchemaError, decode
 
 #: Playback speeds offered, slowest first; 0 is "as fast as it can".
 SPEEDS = (1, 2, 4, 8, 16, 32, 64, 0)
-#: Steps per rank fed before a seek target (the sparklines hold 120).
-WINDOW_STEPS = 120
+#: Steps per rank fed before a seek target: the most any screen shows of a
+#: rank's steps (the rank detail's 24). The sparklines' longer history comes
+#: from the index's per-step figures.
+WINDOW_STEPS = DETAIL_STEPS + 8
 #: How many of each rarely sent kind a seek feeds from before its window.
 KEEP_BEFORE = {
     "run_info": 1,
@@ -389,6 +392,26 @@ class ReplayFeed:
                 self.monitor.take(msg)
         self.clock.now = t
         self._fed = len(picks)
+        self._fill_series(t)
+
+    def _fill_series(self, t: int) -> None:
+        """The sparklines' last SERIES_LEN steps per rank, from the index, not decoded."""
+        run = self.monitor.analysis.latest
+        if run is None:
+            return
+        extras = self.monitor.extras.setdefault(run.run_id, RunExtras())
+        by_rank: dict[int, list[tuple[int, float, float]]] = {}
+        for s in self.index.streams:
+            end = bisect_left(s.step_pos, s.applied(t))
+            rows = by_rank.setdefault(s.rank, [])
+            for k in range(max(0, end - SERIES_LEN), end):
+                rows.append((s.tmax[s.step_pos[k]], s.step_ms[k], s.busy_ms[k]))
+        for rank, rows in by_rank.items():
+            if not rows:
+                continue
+            rows.sort(key=lambda r: r[0])
+            extras.step[rank] = deque((r[1] for r in rows[-SERIES_LEN:]), maxlen=SERIES_LEN)
+            extras.busy[rank] = deque((r[2] for r in rows[-SERIES_LEN:]), maxlen=SERIES_LEN)
 
     def _go_step(self, step: int) -> None:
         done = self.index.step_done
