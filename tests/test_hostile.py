@@ -257,10 +257,6 @@ _LEAKING: dict[str, Flood] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="CheckpointDetector (detectors/recipe.py) keeps every distinct save path of a run",
-)
 @pytest.mark.parametrize("kind", sorted(_LEAKING))
 def test_a_flood_of_distinct_values_a_detector_keeps_does_not_grow_memory(
     endpoint: str, kind: str

@@ -393,6 +393,11 @@ _FIX_WRAPPER = (
 )
 
 
+#: Checkpoint paths remembered per run (a job saving a new file every epoch,
+#: or a peer flooding paths, must not grow the watcher without bound).
+MAX_SAVE_PATHS = 256
+
+
 class CheckpointDetector:
     """``checkpoint_all_ranks``: one checkpoint file written by several ranks, or DDP's keys."""
 
@@ -405,7 +410,13 @@ class CheckpointDetector:
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, SaveCall):
             return
-        writers = self._paths.setdefault(run.run_id, {}).setdefault(msg.path, {})
+        paths = self._paths.setdefault(run.run_id, {})
+        writers = paths.pop(msg.path, None) or {}
+        paths[msg.path] = writers  # newest last: the oldest path goes first
+        if len(paths) > MAX_SAVE_PATHS:
+            # Ranks sharing a file save it at about the same moment; a path
+            # not seen for this many saves will not be shared any more.
+            del paths[next(iter(paths))]
         writers.setdefault(msg.rank, msg)
         if len(writers) >= 2:
             book.raise_or_update(f"path:{msg.path}", self._shared(run, msg.path, writers))
