@@ -252,3 +252,30 @@ def test_torchrun_job_reaches_the_watcher_through_the_relay_of_ddpscope_run(
         assert [s.step for s in live if isinstance(s, Step)] == [0, 1, 2, 3]
         # Everything the rank recorded reached the watcher through the relay.
         assert sorted(m.seq for m in live if m.seq >= 0) == [m.seq for m in recorded[rank]]
+
+
+def test_a_flood_of_run_ids_cannot_make_a_recording_relay_open_a_file_for_each(
+    tmp_path: Path,
+) -> None:
+    from ddpscope.schema import Heartbeat, encode
+    from ddpscope.transport import relay as relay_mod
+
+    recorder = relay_mod.NodeRecorder(str(tmp_path), "relay test")
+    for i in range(relay_mod.MAX_STREAMS + 50):
+        beat = Heartbeat(
+            run=f"flood-{i}",
+            rank=0,
+            seq=0,
+            t=1,
+            phase="x",
+            step=0,
+            bucket=-1,
+            in_phase_s=0.0,
+            cpu_pct=0.0,
+            rss_bytes=0,
+            threads=1,
+        )
+        recorder.add(encode(beat))
+    recorder.close()
+    assert recorder.rejected == 50 and "not recorded" in recorder.error
+    assert len(list(tmp_path.rglob("*.ddps"))) == relay_mod.MAX_STREAMS

@@ -93,6 +93,10 @@ class RelayStats:
     last_error: str = ""
 
 
+#: (run, rank) streams a relay records at once at most.
+MAX_STREAMS = 512
+
+
 class _RankStream:
     __slots__ = ("ended_ns", "first_ns", "kinds", "last_seq", "pending", "pid", "writer")
 
@@ -133,6 +137,12 @@ class NodeRecorder:
         key = (msg.run, msg.rank)
         stream = self._streams.get(key)
         if stream is None:
+            if len(self._streams) >= MAX_STREAMS:
+                # A node has tens of ranks; thousands of (run, rank) pairs is a
+                # flood, and each would cost a file and a descriptor.
+                self.rejected += 1
+                self.error = f"more than {MAX_STREAMS} ranks and runs at once: not recorded"
+                return
             stream = self._streams[key] = _RankStream()
         if isinstance(msg, RunInfo):
             if stream.writer is not None and stream.pid and msg.pid != stream.pid:
