@@ -24,7 +24,7 @@ from ddpscope.analysis.sources import analyze_recording
 from ddpscope.record.reader import find_runs
 from ddpscope.record.writer import RecordWriter
 from ddpscope.replay.index import RecordingIndex
-from ddpscope.replay.player import ReplayClock, ReplayFeed
+from ddpscope.replay.player import ReplayClock, ReplayFeed, ReplayStatus
 from ddpscope.schema import End, encode
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.replay import ReplayApp
@@ -57,8 +57,15 @@ def wait_indexed(feed: ReplayFeed, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def rows(snap: Snapshot) -> list[tuple[int, int, float, float, str]]:
-    return [(r.rank, r.step, r.step_ms, r.wait_ms, r.status) for r in snap.rows]
+def at_the_end(directory: Path) -> tuple[ReplayStatus, Snapshot]:
+    """Open a recording, read it whole, go to its end: the status and the screen there."""
+    feed = open_feed(directory)
+    try:
+        wait_indexed(feed)
+        feed.to_end()
+        return feed.idle(), feed.snapshot()
+    finally:
+        feed.stop()
 
 
 def played_through(feed: ReplayFeed, t: int) -> Monitor:
@@ -219,14 +226,7 @@ def test_a_truncated_rank_file_is_named_and_read_up_to_the_tear(
     victim = sorted(run.glob("rank-00001-*.ddps"))[0]
     with open(victim, "r+b") as f:
         f.truncate(victim.stat().st_size * 2 // 3 - 3)
-    feed = open_feed(run)
-    try:
-        wait_indexed(feed)
-        feed.to_end()
-        status = feed.idle()
-        snap = feed.snapshot()
-    finally:
-        feed.stop()
+    status, snap = at_the_end(run)
     assert any(str(victim) in p and "truncated" in p for p in status.problems)
     steps = {r.rank: r.step for r in snap.rows}
     assert steps[0] == 64 and 10 < steps[1] < 64
@@ -240,14 +240,7 @@ def test_a_missing_rank_file_shows_that_rank_as_no_data(
     run = _copy(straggler_recording, tmp_path)
     for f in run.glob("rank-00001-*.ddps"):
         f.unlink()
-    feed = open_feed(run)
-    try:
-        wait_indexed(feed)
-        feed.to_end()
-        status = feed.idle()
-        snap = feed.snapshot()
-    finally:
-        feed.stop()
+    status, snap = at_the_end(run)
     assert any("no record file for rank(s) 1 of 2" in p for p in status.problems)
     assert [(r.rank, r.status) for r in snap.rows] == [(0, "exited"), (1, "no data")]
 

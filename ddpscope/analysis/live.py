@@ -23,11 +23,12 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.handoff import SnapshotHandoff
 from ddpscope.analysis.monitor import Clock, FeedStats, Monitor
-from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
+from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.transport.subscriber import Subscriber
 
 log = logging.getLogger("ddpscope")
@@ -39,10 +40,8 @@ POLL_MS = 10
 #: Messages taken per wake-up before requests and ticks get a turn.
 BATCH = 2048
 
-SnapshotListener = Callable[[Snapshot], None]
 
-
-class LiveFeed:
+class LiveFeed(SnapshotHandoff):
     """Binds ``endpoint`` at construction (errors surface to the caller), ingests on ``start``."""
 
     def __init__(
@@ -68,21 +67,17 @@ class LiveFeed:
         counting as history is trimmed), and a full collection over it took
         100 ms at 256 ranks and 230 ms at 1,024, freezing the UI each time.
         """
+        super().__init__()
         self.monitor = Monitor(detectors, clock)
         self._sub = subscriber or Subscriber(endpoint, control_endpoint)
         self.endpoint = endpoint
         self._requests: deque[tuple[str, int]] = deque()
-        self._want: SnapshotRequest | None = None
-        self._built = threading.Condition()
         self._stop = threading.Event()
-        self._listener: SnapshotListener | None = None
-        self._seq = 0
         self._busy_ns = 0
         self._window_start = time.perf_counter_ns()
         self._busy_share = 0.0
         self._rate_mark: tuple[int, int] | None = None
         self._rate = -1.0
-        self.latest: Snapshot | None = None
         #: Why the thread stopped.
         self.error = ""
         self.freeze_gc = freeze_gc
@@ -105,24 +100,6 @@ class LiveFeed:
         return self.monitor.ingest_errors
 
     # --- the reader's side (any thread) ----------------------------------------
-
-    def listen(self, listener: SnapshotListener | None) -> None:
-        """Call ``listener(snapshot)`` from the ingest thread after each build."""
-        self._listener = listener
-
-    def request_snapshot(self, request: SnapshotRequest | None = None) -> None:
-        """Ask for a snapshot; it is built within POLL_MS and handed to the listener."""
-        self._want = request or SnapshotRequest()
-
-    def snapshot(self, request: SnapshotRequest | None = None, timeout: float = 5.0) -> Snapshot:
-        """Ask for a snapshot and wait for it (for scripts and tests)."""
-        with self._built:
-            seq = self._seq
-            self.request_snapshot(request)
-            if not self._built.wait_for(lambda: self._seq > seq, timeout):
-                raise TimeoutError("the ingest thread built no snapshot in time")
-            assert self.latest is not None
-            return self.latest
 
     def request_stacks(self, rank: int) -> None:
         """Ask ``rank`` (-1: every rank) of the followed run for its Python stacks now."""
@@ -177,7 +154,7 @@ class LiveFeed:
                 if now >= next_tick:
                     next_tick = now + TICK_S
                     self.monitor.tick()
-                want, self._want = self._want, None
+                want = self.take_request()
                 if want is not None:
                     self._publish(want)
                 self._busy_ns += time.perf_counter_ns() - began
@@ -185,7 +162,7 @@ class LiveFeed:
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("ddpscope watch: ingest thread failed")
             try:  # one last snapshot, so the UI shows why it stopped moving
-                self._publish(self._want or SnapshotRequest())
+                self._publish(self.take_request() or SnapshotRequest())
             except Exception:
                 pass
 
@@ -229,13 +206,7 @@ class LiveFeed:
             self.monitor.last_ingest_error = f"snapshot: {type(exc).__name__}: {exc}"
             log.exception("ddpscope watch: building a snapshot failed")
             return
-        with self._built:
-            self.latest = snap
-            self._seq = snap.seq
-            self._built.notify_all()
-        listener = self._listener
-        if listener is not None:
-            listener(snap)
+        self.hand_over(snap)
         if self.freeze_gc:
             gc.freeze()
 

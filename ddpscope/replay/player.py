@@ -22,13 +22,13 @@ import threading
 import time
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
+from ddpscope.analysis.handoff import SnapshotHandoff
 from ddpscope.analysis.monitor import FeedStats, Monitor
-from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
+from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.analysis.views import DETAIL_STEPS, SERIES_LEN, RunExtras
 from ddpscope.record.format import MAX_RECORD_BYTES, RECORD_HEAD, crc32
 from ddpscope.replay.index import KIND_CODE, RecordingIndex, Stream
@@ -43,6 +43,8 @@ WINDOW_STEPS = DETAIL_STEPS + 8
 #: How many of each rarely sent kind a seek feeds from before its window.
 KEEP_BEFORE = {
     "run_info": 1,
+    # Heartbeats come every second; the window can be shorter than that.
+    "heartbeat": 1,
     "buckets": 8,
     "sampler_pass": 16,
     "sampler_pass_end": 16,
@@ -110,10 +112,11 @@ class ReplayStatus:
         return f"{s}x" if s else "max"
 
 
-class ReplayFeed:
+class ReplayFeed(SnapshotHandoff):
     """A snapshot source over a recording, with playback controls."""
 
     def __init__(self, index: RecordingIndex) -> None:
+        super().__init__()
         self.index = index
         #: What the header names while nothing is shown yet.
         self.endpoint = index.run.path
@@ -122,12 +125,7 @@ class ReplayFeed:
         self._cursor: list[int] = []
         self._fds: dict[str, int] = {}
         self._commands: deque[tuple[str, Any]] = deque()
-        self._want: SnapshotRequest | None = None
-        self._listener: Callable[[Snapshot], None] | None = None
         self._stop = threading.Event()
-        self._built = threading.Condition()
-        self._seq = 0
-        self.latest: Snapshot | None = None
         self.status = ReplayStatus(following=index.follow)
         self._playing = False
         self._speed = 0
@@ -144,22 +142,6 @@ class ReplayFeed:
         self._thread = threading.Thread(target=self._loop, name="ddpscope-replay", daemon=True)
 
     # --- the UI's side (any thread) -------------------------------------------------
-
-    def listen(self, listener: Callable[[Snapshot], None] | None) -> None:
-        self._listener = listener
-
-    def request_snapshot(self, request: SnapshotRequest | None = None) -> None:
-        self._want = request or SnapshotRequest()
-
-    def snapshot(self, request: SnapshotRequest | None = None, timeout: float = 10.0) -> Snapshot:
-        """Ask for a snapshot and wait for it (scripts, tests, benchmarks)."""
-        with self._built:
-            seq = self._seq
-            self.request_snapshot(request)
-            if not self._built.wait_for(lambda: self._seq > seq, timeout):
-                raise TimeoutError("the replay built no snapshot in time")
-            assert self.latest is not None
-            return self.latest
 
     def request_stacks(self, rank: int) -> None:
         # A recording cannot be asked anything; the recorded stacks are shown as they are.
@@ -246,14 +228,14 @@ class ReplayFeed:
                     self._advance(elapsed)
                 elif self._at_end:
                     self._follow_end()
-                want, self._want = self._want, None
+                want = self.take_request()
                 if want is not None:
                     self._publish(want)
                 self._stop.wait(FRAME_S)
         except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             try:
-                self._publish(self._want or SnapshotRequest())
+                self._publish(self.take_request() or SnapshotRequest())
             except Exception:
                 pass
 
@@ -528,10 +510,4 @@ class ReplayFeed:
             received=self._fed, rate=-1.0, busy=0.0, error=self.error, note=note, gaps=gaps
         )
         snap = self.monitor.build(request, stats, findings, version)
-        with self._built:
-            self.latest = snap
-            self._seq = snap.seq
-            self._built.notify_all()
-        listener = self._listener
-        if listener is not None:
-            listener(snap)
+        self.hand_over(snap)
