@@ -17,7 +17,8 @@ import pytest
 import zmq
 from synthetic import SyntheticRun, Wire, wait_received
 
-from ddpscope.analysis.live import LiveFeed, SnapshotRequest
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import (
     MAX_MESSAGE_BYTES,
     MAX_STRING_BYTES,

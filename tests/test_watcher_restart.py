@@ -1,5 +1,6 @@
 """A watcher killed and restarted mid-run: training goes on unaffected, and the
-new watcher catches up from the run info ranks re-send (seq -1, every resend_s)."""
+new watcher catches up from the run info ranks re-send (seq -1, every resend_s)
+and, given the record directory, from the record files."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from conftest import DEMO, ROOT, _teardown_abort_only, job_env
 
-from ddpscope.analysis.live import LiveFeed, Snapshot
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 
 pytestmark = pytest.mark.torchrun
 
@@ -30,13 +33,16 @@ def _step(snap: Snapshot) -> int:
     return snap.header.step if snap.header is not None else -1
 
 
-def test_a_restarted_watcher_catches_up_and_the_job_never_notices(endpoint: str) -> None:
+def test_a_restarted_watcher_catches_up_and_the_job_never_notices(
+    endpoint: str, tmp_path: Path
+) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(DEMO), "--epochs", "12", "--step-sleep-ms", "40",
     ]  # fmt: skip
     # Re-sends every second instead of every five keep the test short.
-    env = job_env(DDPSCOPE_ENDPOINT=endpoint, DDPSCOPE_RESEND_S="1")
+    rec = tmp_path / "rec"
+    env = job_env(DDPSCOPE_ENDPOINT=endpoint, DDPSCOPE_RESEND_S="1", DDPSCOPE_RECORD=str(rec))
     first = LiveFeed(endpoint, detectors=[])
     first.start()
     job = subprocess.Popen(
@@ -61,6 +67,13 @@ def test_a_restarted_watcher_catches_up_and_the_job_never_notices(endpoint: str)
             later = _until(second, lambda s: _step(s) > _step(caught_up) + 5, timeout=30)
         finally:
             second.stop()
+        # A third watcher, given the record directory, has the history from step 0.
+        third = LiveFeed(endpoint, detectors=[], catch_up=str(rec))
+        third.start()
+        try:
+            history = third.snapshot(SnapshotRequest(series=True))
+        finally:
+            third.stop()
         out, err = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
@@ -75,3 +88,6 @@ def test_a_restarted_watcher_catches_up_and_the_job_never_notices(endpoint: str)
     proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
     assert job.returncode == 0 or _teardown_abort_only(proc), err[-4000:]
     assert "done: 192 steps on 2 ranks" in out
+    assert third.caught_up > 0 and _step(history) >= _step(later)
+    # The sparkline holds the recorded steps too, not only those since this watcher started.
+    assert len(history.rows[0].recent_step_ms) > _step(history) - _step(later) + 20
