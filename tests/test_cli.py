@@ -121,6 +121,22 @@ def test_child_env_carries_bootstrap_first_and_one_run_id(tmp_path: Path) -> Non
     assert again["DDPSCOPE_RUN_ID"] == env["DDPSCOPE_RUN_ID"]
 
 
+def test_every_node_of_a_multi_node_launch_gets_the_same_run_id() -> None:
+    node = ["torchrun", "--nnodes=2", "--rdzv-id", "job 42", "--nproc_per_node=8", "train.py"]
+    first = run_cmd.build_env({}, command=node)
+    second = run_cmd.build_env({}, command=[*node[:1], "--node_rank=1", *node[1:]])
+    assert first["DDPSCOPE_RUN_ID"] == second["DDPSCOPE_RUN_ID"] == "rdzv-job_42"
+    # No rendezvous id to share: the ranks agree on one through their store.
+    anonymous = run_cmd.build_env(
+        {"DDPSCOPE_RUN_ID": ""}, command=["torchrun", "--nnodes=2", "train.py", "--rdzv-id=x"]
+    )
+    assert "DDPSCOPE_RUN_ID" not in anonymous
+    # Given explicitly, or on one node, an id is still the launcher's.
+    assert run_cmd.build_env({}, run_id="mine", command=node)["DDPSCOPE_RUN_ID"] == "mine"
+    single = run_cmd.build_env({}, command=["torchrun", "--nproc_per_node=8", "train.py"])
+    assert single["DDPSCOPE_RUN_ID"] != first["DDPSCOPE_RUN_ID"]
+
+
 def test_relative_record_dir_is_made_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

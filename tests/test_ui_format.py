@@ -64,3 +64,27 @@ def test_every_column_can_sort() -> None:
     rows = [_row(r, level=r % 3) for r in range(5)]
     for column in COLUMNS:
         assert sorted(r.rank for r in order_rows(rows, column.key, False)) == list(range(5))
+
+
+def test_the_health_line_names_the_commonest_rejection_reasons() -> None:
+    from ddpscope.analysis.snapshot import Health
+    from ddpscope.ui.header import health_line
+
+    health = Health(
+        received=100,
+        rate=-1.0,
+        dropped=0,
+        rejected=12,
+        silent=(),
+        lag_s=-1.0,
+        lag_max_s=-1.0,
+        busy=0.0,
+        detectors=0,
+        detector_note="",
+        rejected_reasons=(("schema version", 10), ("rank outside the world", 2)),
+    )
+    assert "rejected 12 (schema version 10, rank outside the world 2)" in health_line(health).plain
+    quiet = health_line(
+        Health(100, -1.0, 0, 0, (), -1.0, -1.0, 0.0, 0, "")  # nothing rejected: no brackets
+    ).plain
+    assert "rejected 0  silent" in quiet
