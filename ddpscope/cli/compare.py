@@ -105,7 +105,7 @@ exit status:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from ddpscope.analysis import compare
+        from ddpscope.analysis import compare, compare_text
         from ddpscope.record.reader import RecordError
 
         if args.metric and args.fail_on_regression is None:
@@ -125,7 +125,7 @@ exit status:
         if args.json:
             sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
         else:
-            sys.stdout.write(compare.render_text(doc))
+            sys.stdout.write(compare_text.render_text(doc))
         sys.stdout.flush()
         verdict = doc["verdict"]
         if verdict is None:
