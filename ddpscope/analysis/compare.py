@@ -147,14 +147,14 @@ def rank_figures(run: RunState, keep: set[int]) -> list[dict[str, Any]]:
             {
                 "rank": r,
                 "steps_used": len(steps),
-                "step_ms": report._median_ms(durations),
+                "step_ms": report.median_ms(durations),
                 "split_ms": {
-                    key: report._median_ms([getattr(s, f) for s in steps])
+                    key: report.median_ms([getattr(s, f) for s in steps])
                     for key, f in report.SPLIT.items()
                 },
                 # The straggler detector's measure: step time minus the time blocked on the
                 # all-reduce. In synchronous DDP step times even out, own work does not.
-                "own_ms": report._median_ms([s.t_end - s.t_start - s.comm_wait_ns for s in steps]),
+                "own_ms": report.median_ms([s.t_end - s.t_start - s.comm_wait_ns for s in steps]),
                 "allreduce_wait_ms": waits.get(r),
                 "throughput": _throughput(steps),
             }
@@ -200,7 +200,7 @@ def bucket_allreduce_ms(run: RunState, keep: set[int]) -> float | None:
         spans = [_in_flight(st) for st in row.values()]
         if all(spans):
             totals.append(min(spans))
-    return report._median_ms(totals)
+    return report.median_ms(totals)
 
 
 def _in_flight(st: Step) -> int:
@@ -345,7 +345,7 @@ def _model(params: list[list[Any]]) -> tuple[int | None, int | None, str | None]
 
 
 def side_json(side: Side) -> dict[str, Any]:
-    run = report._run_of(side.analysis, side.recording)
+    run = report.run_of(side.analysis, side.recording)
     summary = report.run_summary(run, side.recording, side.runs)
     book = side.analysis.books.get(run.run_id) if run is not None else None
     return {

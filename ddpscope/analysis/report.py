@@ -158,7 +158,7 @@ def _pid_alive(pid: int) -> bool:
 
 def build(analysis: Analysis, recording: Recording, runs: Sequence[RunDir] = ()) -> dict[str, Any]:
     """The report object documented in docs/report.md."""
-    run = _run_of(analysis, recording)
+    run = run_of(analysis, recording)
     book = analysis.books.get(run.run_id) if run is not None else None
     findings = book.sorted() if book is not None else []
     return {
@@ -172,7 +172,7 @@ def build(analysis: Analysis, recording: Recording, runs: Sequence[RunDir] = ())
     }
 
 
-def _run_of(analysis: Analysis, recording: Recording) -> RunState | None:
+def run_of(analysis: Analysis, recording: Recording) -> RunState | None:
     run = analysis.runs.get(recording.run.run_id)
     if run is None and analysis.runs:
         run = max(analysis.runs.values(), key=lambda r: r.received)
@@ -263,9 +263,9 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
         "steps": len(steps),
         "step_count": view.step_count,
         "epoch": steps[-1].epoch if steps else -1,
-        "step_ms": _median_ms(durations),
+        "step_ms": median_ms(durations),
         "step_p90_ms": _quantile_ms(durations, 0.9),
-        "split_ms": {key: _median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
+        "split_ms": {key: median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
         "allreduce_wait_ms": wait_ms,
         "cpu_pct": round(statistics.median(b.cpu_pct for b in beats), 1) if beats else None,
         "rss_bytes": max((b.rss_bytes for b in beats), default=None),
@@ -277,7 +277,7 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
     }
 
 
-def _median_ms(values: Sequence[int]) -> float | None:
+def median_ms(values: Sequence[int]) -> float | None:
     return round(statistics.median(values) / MS, 3) if values else None
 
 
@@ -411,13 +411,13 @@ def _header_lines(run: dict[str, Any]) -> list[str]:
         ranks if seen != world else "",
         f"on {host_text}" if hosts else "",
         "/".join(x for x in (run["backend"], run["device"]) if x),
-        _count(run["steps"], "step")
-        + (f", {_count(run['epochs'], 'epoch')}" if run["epochs"] else ""),
+        fmt_count(run["steps"], "step")
+        + (f", {fmt_count(run['epochs'], 'epoch')}" if run["epochs"] else ""),
         f"{run['duration_s']:.1f} s",
         f"started {run['started'].replace('T', ' ')}" if run["started"] else "",
     ]
     open_ranks = run["open_ranks"]
-    who = "any rank" if not run["ended_ranks"] else _ranks(open_ranks)
+    who = "any rank" if not run["ended_ranks"] else fmt_ranks(open_ranks)
     if run["status"] == "ended":
         status = "every rank ended"
     elif run["still_writing"]:
@@ -434,11 +434,11 @@ def _header_lines(run: dict[str, Any]) -> list[str]:
     ]
 
 
-def _count(n: int, what: str) -> str:
+def fmt_count(n: int, what: str) -> str:
     return f"{n} {what}" if n == 1 else f"{n} {what}s"
 
 
-def _ranks(ranks: list[int]) -> str:
+def fmt_ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
 
 
@@ -497,16 +497,16 @@ def _row(r: dict[str, Any]) -> list[str]:
         str(r["rank"]),
         r["host"] or "?",
         str(r["steps"]),
-        _ms(r["step_ms"]),
-        *(_ms(split[k]) for k in SPLIT),
-        _ms(r["allreduce_wait_ms"]),
+        fmt_ms(r["step_ms"]),
+        *(fmt_ms(split[k]) for k in SPLIT),
+        fmt_ms(r["allreduce_wait_ms"]),
         "-" if r["cpu_pct"] is None else f"{r['cpu_pct']:.0f}",
         "-" if rss is None else f"{rss / (1 << 20):.0f} MB",
         end_text,
     ]
 
 
-def _ms(value: float | None) -> str:
+def fmt_ms(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:.0f}" if value >= 1000 else f"{value:.2f}"
@@ -527,7 +527,7 @@ def findings_lines(findings: list[dict[str, Any]]) -> list[str]:
 def finding_lines(f: dict[str, Any]) -> list[str]:
     where = []
     if f["ranks"]:
-        where.append(_ranks(f["ranks"]))
+        where.append(fmt_ranks(f["ranks"]))
     if f["step"] >= 0:
         where.append(f"step {f['step']}")
     if f["epoch"] >= 0:

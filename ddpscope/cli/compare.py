@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from ddpscope.cli.report import EXIT_UNREADABLE, _describe, _positive
+from ddpscope.cli.common import EXIT_UNREADABLE, describe_error, positive_seconds
 
 #: Exit status when a --fail-on-* gate is given and tripped.
 EXIT_REGRESSION = 1
@@ -100,7 +100,7 @@ exit status:
         parser.add_argument(
             "--hang-after",
             metavar="S",
-            type=_positive,
+            type=positive_seconds,
             help="seconds without progress that make a hang (as in `ddpscope report`)",
         )
 
@@ -119,7 +119,7 @@ exit status:
             a = compare.load(dir_a, run_a, args.hang_after)
             b = compare.load(dir_b, run_b, args.hang_after)
         except (RecordError, OSError) as exc:
-            print(f"ddpscope compare: {_describe(exc)}", file=sys.stderr)
+            print(f"ddpscope compare: {describe_error(exc)}", file=sys.stderr)
             return EXIT_UNREADABLE
         doc = compare.build(a, b, args.fail_on_regression, metrics, args.fail_on_new)
         if args.json:

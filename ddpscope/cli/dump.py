@@ -21,11 +21,9 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TextIO
 
+from ddpscope.cli.common import EXIT_UNREADABLE, describe_error
 from ddpscope.record.reader import RankFile, RecordError, Recording, RunDir, open_run
 from ddpscope.schema import MESSAGE_TYPES, End, Message, Step
-
-#: Exit status for input that cannot be read.
-EXIT_UNREADABLE = 3
 
 
 def load(path: str, run_id: str | None) -> Recording:
@@ -150,7 +148,7 @@ exit status:
         try:
             rec = load(args.dir, args.run)
         except (RecordError, OSError) as exc:
-            print(f"ddpscope dump: {_describe(exc)}", file=sys.stderr)
+            print(f"ddpscope dump: {describe_error(exc)}", file=sys.stderr)
             return EXIT_UNREADABLE
         if args.rank is not None and args.rank not in rec.messages:
             print(
@@ -170,9 +168,3 @@ exit status:
         out.flush()
         # Files that could not be opened at all: say so in the status too.
         return EXIT_UNREADABLE if rec.run.problems else 0
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror or exc}"
-    return str(exc)

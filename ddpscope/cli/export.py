@@ -14,6 +14,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, TextIO
 
+from ddpscope.cli.common import EXIT_UNREADABLE, describe_error
+
 if TYPE_CHECKING:  # the real imports wait for run(): building the parser stays fast
     from ddpscope.analysis.engine import Analysis
     from ddpscope.analysis.findings import Finding
@@ -22,8 +24,6 @@ if TYPE_CHECKING:  # the real imports wait for run(): building the parser stays 
 
 #: Exit status when the output file cannot be written.
 EXIT_UNWRITABLE = 1
-#: Exit status for input that cannot be read (as ``ddpscope report``).
-EXIT_UNREADABLE = 3
 
 FORMATS = ("chrome-trace", "csv")
 
@@ -85,7 +85,7 @@ exit status:
                 runs = find_runs(args.dir)
                 recording = open_run(args.dir, args.run)
         except (RecordError, OSError) as exc:
-            _say(_describe(exc))
+            _say(describe_error(exc))
             return EXIT_UNREADABLE
         if len(runs) > 1 and args.run is None:
             _say(
@@ -164,9 +164,3 @@ def _emit(
 
 def _say(text: str) -> None:
     print(f"ddpscope export: {text}", file=sys.stderr)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror or exc}"
-    return str(exc)

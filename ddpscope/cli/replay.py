@@ -12,8 +12,8 @@ import os
 import sys
 import time
 
-#: Exit status for input that cannot be read (as ``ddpscope report``).
-EXIT_UNREADABLE = 3
+from ddpscope.cli.common import EXIT_UNREADABLE
+
 #: A run whose files changed this recently, without an end from every rank, is
 #: taken to be still running and is followed.
 FRESH_S = 10.0

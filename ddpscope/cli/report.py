@@ -11,20 +11,10 @@ import argparse
 import json
 import sys
 
+from ddpscope.cli.common import EXIT_UNREADABLE, describe_error, positive_seconds
+
 #: Exit status when --fail-on is given and a finding at that level exists.
 EXIT_FINDINGS = 1
-#: Exit status for input that cannot be read (as ``ddpscope dump``).
-EXIT_UNREADABLE = 3
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
-    return value
 
 
 class ReportCommand:
@@ -65,7 +55,7 @@ exit status:
         parser.add_argument(
             "--hang-after",
             metavar="S",
-            type=_positive,
+            type=positive_seconds,
             help="seconds without progress that make a hang (default: from step times, "
             "at least 5 s)",
         )
@@ -79,7 +69,7 @@ exit status:
                 args.dir, args.run, hang_after_s=args.hang_after
             )
         except (RecordError, OSError) as exc:
-            print(f"ddpscope report: {_describe(exc)}", file=sys.stderr)
+            print(f"ddpscope report: {describe_error(exc)}", file=sys.stderr)
             return EXIT_UNREADABLE
         result = report.build(analysis, recording, runs)
         if args.json:
@@ -96,9 +86,3 @@ exit status:
         if args.fail_on and report.fails(result, args.fail_on):
             return EXIT_FINDINGS
         return 0
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.filename is not None:
-        return f"{exc.filename}: {exc.strerror or exc}"
-    return str(exc)
