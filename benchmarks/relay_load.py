@@ -48,6 +48,7 @@ from typing import Any
 
 import psutil
 import zmq
+from table import print_rows  # benchmarks/table.py (this script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -440,13 +441,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"cores: {os.cpu_count()}, python {sys.version.split()[0]}, load average: {load}")
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + " --- |" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print_rows(rows, "load average")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from table import print_rows  # benchmarks/table.py (this script's folder is on sys.path)
 from watch_pty import Terminal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,13 +148,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"cores: {os.cpu_count()}, python {sys.version.split()[0]}, load average before: {load}")
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("|" + " --- |" * len(cols))
-    for r in rows:
-        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    print_rows(rows, "load average before")
 
 
 if __name__ == "__main__":
