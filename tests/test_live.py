@@ -190,7 +190,11 @@ def test_rank_detail_has_phase_history_sampler_and_fingerprint_status(endpoint: 
 
 
 def test_a_stack_request_reaches_a_real_rank_publisher_and_comes_back(endpoint: str) -> None:
-    opts = load({"endpoint": endpoint, "heartbeat_s": 0.2, "resend_s": 0.2}, env={})
+    # stacks_after_s: the rank's own "stuck" dump must not come first on a slow machine.
+    opts = load(
+        {"endpoint": endpoint, "heartbeat_s": 0.2, "resend_s": 0.2, "stacks_after_s": 600},
+        env={},
+    )
     pub = Publisher(opts, "run-s", 0, {"run_id": "run-s", "rank": 0})
     pub.state.enter("allreduce")  # as a rank stuck in a collective would be
     marker = threading.Event()
