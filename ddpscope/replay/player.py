@@ -299,15 +299,14 @@ class ReplayFeed(SnapshotHandoff):
     def _advance(self, elapsed: float) -> None:
         speed = SPEEDS[self._speed]
         target = self.clock.now + int(elapsed * 1e9 * speed) if speed else None
+        # Never past what the index has read: playing faster than it reads waits for it.
         limit = self.index.t
-        fed = self._feed_until(limit if target is None else min(target, limit), FAST_RECORDS)
+        self._feed_until(limit if target is None else min(target, limit), FAST_RECORDS)
         if target is not None:
             self.clock.now = min(target, max(limit, self.clock.now))
         if self.index.done and self._at_last_record():
             self._playing = False
             self._at_end = True
-        elif fed == 0 and target is None and not self.index.done:
-            pass  # the pass is behind the player: wait for it
         self._update_status()
 
     def _follow_end(self) -> None:
