@@ -174,7 +174,9 @@ def test_a_rank_without_keys_is_refused_by_a_watcher_with_keys(keys_dir: Path) -
         _until(lambda: pub.handshake_failures > 0)
         assert _received(sub, 0.5) == []
         pub.close()
-    assert "requires keys" in pub.handshakes.last_error
+    # Which event libzmq reports first varies (a mechanism mismatch, or a dropped
+    # handshake); both tell the user which variable to set.
+    assert "DDPSCOPE_SERVER_KEY" in pub.handshakes.last_error
 
 
 def test_an_allow_list_admits_only_the_listed_clients(keys_dir: Path) -> None:
