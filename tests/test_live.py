@@ -364,3 +364,31 @@ def test_the_bucket_view_handles_more_buckets_than_any_real_model() -> None:
     matrix = views.bucket_matrix(run)
     assert matrix is not None and len(matrix.buckets) == 5000
     assert len(matrix.wait_ms) == 2 and len(matrix.wait_ms[0]) == 5000
+
+
+def test_a_stack_request_that_got_no_answer_is_sent_again(endpoint: str) -> None:
+    """As if the first request was lost before the rank's control socket joined."""
+    run = SyntheticRun(world=3)
+    with Wire(endpoint) as wire, _feed(endpoint) as feed:
+        wire.wait_subscribed()
+        _publish(feed, wire, run.opening() + run.steps(0, 4))
+        feed.request_stacks(2)
+        first = time.monotonic()
+        ignored = wire.poll_requests(2000)  # this "rank" never answers the first one
+        assert [(r.what, r.target) for r in ignored] == [("stacks", 2)]
+        again = wire.poll_requests(3000)
+        resent = time.monotonic() - first
+        assert [(r.what, r.target) for r in again] == [("stacks", 2)]
+        wire.send([run.stacks(2, 4)])
+        deadline = time.monotonic() + 5
+        detail = None
+        while time.monotonic() < deadline:
+            detail = feed.snapshot(SnapshotRequest(detail_rank=2)).detail
+            if detail is not None and detail.stacks is not None:
+                break
+            time.sleep(0.05)
+        time.sleep(1.5)  # answered: no more retries
+        late = wire.poll_requests(0)
+    assert 0.8 < resent < 2.5
+    assert detail is not None and detail.stacks is not None and detail.stacks_pending_s == -1
+    assert late == []

@@ -39,6 +39,12 @@ TICK_S = 0.25
 POLL_MS = 10
 #: Messages taken per wake-up before requests and ticks get a turn.
 BATCH = 2048
+#: A stack request still unanswered after this long is sent again, this many
+#: times at most: one sent before a rank's control socket had joined is lost
+#: (ZeroMQ's PUB drops what it sends before a subscriber is connected). Ranks
+#: answer at most twice a second, so a retry never doubles an answer.
+STACKS_RETRY_S = 1.0
+STACKS_RETRIES = 3
 
 
 class LiveFeed(SnapshotHandoff):
@@ -72,6 +78,8 @@ class LiveFeed(SnapshotHandoff):
         self._sub = subscriber or Subscriber(endpoint, control_endpoint)
         self.endpoint = endpoint
         self._requests: deque[tuple[str, int]] = deque()
+        #: Stack requests in flight: target -> (when last sent, retries so far).
+        self._stacks_sent: dict[int, tuple[float, int]] = {}
         self._stop = threading.Event()
         self._busy_ns = 0
         self._window_start = time.perf_counter_ns()
@@ -192,11 +200,23 @@ class LiveFeed(SnapshotHandoff):
 
     def _send_requests(self) -> None:
         run = self.monitor.analysis.latest
+        run_id = run.run_id if run is not None else ""
         while self._requests:
             what, rank = self._requests.popleft()
-            self._sub.request(what, rank, run.run_id if run is not None else "")
-            if what == "stacks":
-                self.monitor.stacks_asked(rank)
+            self._sub.request(what, rank, run_id)
+            if what == "stacks" and self.monitor.stacks_asked(rank):
+                self._stacks_sent[rank] = (time.monotonic(), 0)
+        if self._stacks_sent:
+            self._retry_stacks(run_id)
+
+    def _retry_stacks(self, run_id: str) -> None:
+        now = time.monotonic()
+        for rank, (sent, tries) in list(self._stacks_sent.items()):
+            if not self.monitor.stacks_pending(rank) or tries >= STACKS_RETRIES:
+                del self._stacks_sent[rank]
+            elif now - sent >= STACKS_RETRY_S:
+                self._sub.request("stacks", rank, run_id)
+                self._stacks_sent[rank] = (now, tries + 1)
 
     def _publish(self, request: SnapshotRequest) -> None:
         try:

@@ -200,6 +200,16 @@ class Monitor:
             extras.stacks_asked_ns[r] = self.clock.mono_ns()
         return targets
 
+    def stacks_pending(self, rank: int) -> bool:
+        """Whether stacks asked of ``rank`` (-1: any rank) have not come yet."""
+        run = self.analysis.latest
+        extras = self.extras.get(run.run_id) if run is not None else None
+        if extras is None:
+            return False
+        if rank < 0:
+            return bool(extras.stacks_asked_ns)
+        return rank in extras.stacks_asked_ns
+
     # --- building ------------------------------------------------------------------
 
     def build(
