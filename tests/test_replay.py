@@ -108,6 +108,7 @@ def test_replay_raises_the_findings_report_raises_at_the_same_moments(
     assert sorted((f.kind, f.ranks) for f in snap.findings) == [(k, r) for k, r, _ in expected]
     assert sorted(feed.index.raised_times()) == sorted(t for _, _, t in expected)
     assert status.at_end and status.step == status.last_step == 63
+    assert snap.health.received == feed.index.records  # "rx": every record up to the end
     assert [(r.rank, r.step, r.status) for r in snap.rows] == [
         (0, 64, "exited"),
         (1, 64, "straggler"),

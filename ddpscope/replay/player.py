@@ -136,7 +136,6 @@ class ReplayFeed(SnapshotHandoff):
         self._steps_built = 0.0
         self._step_times: list[int] = []
         self._step_best: list[int] = []
-        self._fed = 0
         self.error = ""
         self._pass = threading.Thread(target=index.run_pass, name="ddpscope-index", daemon=True)
         self._thread = threading.Thread(target=self._loop, name="ddpscope-replay", daemon=True)
@@ -336,7 +335,6 @@ class ReplayFeed(SnapshotHandoff):
             if msg is not None:
                 self.clock.now = max(self.clock.now, tm)
                 self.monitor.take(msg)
-                self._fed += 1
         if len(batch) == budget:
             self.clock.now = batch[-1][0]
         else:
@@ -372,7 +370,6 @@ class ReplayFeed(SnapshotHandoff):
                 self.clock.now = tm
                 self.monitor.take(msg)
         self.clock.now = t
-        self._fed = len(picks)
         self._fill_series(t)
 
     def _fill_series(self, t: int) -> None:
@@ -506,7 +503,14 @@ class ReplayFeed(SnapshotHandoff):
             note = f"{len(index.problems)} recording problem(s): {index.problems[0]}"
         gaps = sum(s.gaps_at(self.clock.now) for s in index.streams)
         stats = FeedStats(
-            received=self._fed, rate=-1.0, busy=0.0, error=self.error, note=note, gaps=gaps
+            # "rx": every record of the run up to the moment shown, as a live
+            # watcher would have counted them by then.
+            received=sum(s.applied(self.clock.now) for s in index.streams),
+            rate=-1.0,
+            busy=0.0,
+            error=self.error,
+            note=note,
+            gaps=gaps,
         )
         snap = self.monitor.build(request, stats, findings, version)
         self.hand_over(snap)
