@@ -384,11 +384,6 @@ def test_a_ranks_control_socket_ignores_everything_but_the_two_requests(
     assert handle.enabled and handle.step == 3  # type: ignore[attr-defined]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="libzmq ends a connecting socket's session for good on a protocol error such as "
-    "MAXMSGSIZE: the rank's control SUB never reconnects (transport/sockets.py rank_control)",
-)
 def test_a_ranks_control_channel_recovers_from_an_oversized_request(
     attached: tuple[tuple[object, object], str],
 ) -> None:

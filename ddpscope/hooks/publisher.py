@@ -123,11 +123,14 @@ class Publisher:
         # monitor sockets let this thread count and log each failure.
         self.handshakes = HandshakeWatch(f"rank {rank}", curve=keys is not None, server=False)
         self._pub = rank_publisher(self._ctx, opts.endpoint, opts.sndhwm, keys=keys)
+        self._keys = keys
         self._ctl = rank_control(self._ctx, opts.resolved_control_endpoint(), keys=keys)
         self._monitors = [
             self.handshakes.watch(self._pub, opts.endpoint),
-            self.handshakes.watch(self._ctl, opts.resolved_control_endpoint()),
+            self.handshakes.watch(self._ctl, opts.resolved_control_endpoint(), disconnects=True),
         ]
+        #: Times the control socket was made anew after its connection dropped.
+        self.control_reconnects = 0
         self._thread = threading.Thread(target=self._run, name="ddpscope-publisher", daemon=True)
         _register_fork_guard(self)
 
@@ -170,7 +173,7 @@ class Publisher:
             next_beat = now
             next_resend = now
             self._hold_until = now + CONNECT_GRACE_S
-            poller = zmq.Poller()
+            poller = self._poller = zmq.Poller()
             poller.register(self._ctl, zmq.POLLIN)
             poller.register(self._pub, zmq.POLLIN)
             for mon in self._monitors:
@@ -184,6 +187,8 @@ class Publisher:
                         self._read_subscriptions()
                     if any(mon in ready for mon in self._monitors):
                         self._check_handshakes()
+                    if self._ctl in self.handshakes.disconnected:
+                        self._renew_control()
                 if self._held is not None and (
                     self.subscriptions or time.monotonic() >= self._hold_until
                 ):
@@ -311,6 +316,29 @@ class Publisher:
             "threads": all_thread_stacks(skip_ident=threading.get_ident()),
         }
         self._emit("stacks", 0, fields, record=True)
+
+    def _renew_control(self) -> None:
+        """A new control socket in place of one whose connection dropped.
+
+        libzmq reconnects a dropped connection by itself, except after a
+        protocol error (a request over MAX_REQUEST_BYTES, say): then that
+        socket never connects again and the rank could not be asked for its
+        stacks any more. A fresh socket costs a reconnect either way.
+        """
+        old = self._ctl
+        endpoint = self.opts.resolved_control_endpoint()
+        for mon in [m for s, m, _ in self.handshakes.monitors if s is old]:
+            self._poller.unregister(mon)
+            self._monitors.remove(mon)
+        self.handshakes.unwatch(old)
+        self._poller.unregister(old)
+        old.close(linger=0)
+        self._ctl = rank_control(self._ctx, endpoint, keys=self._keys)
+        mon = self.handshakes.watch(self._ctl, endpoint, disconnects=True)
+        self._monitors.append(mon)
+        self._poller.register(self._ctl, zmq.POLLIN)
+        self._poller.register(mon, zmq.POLLIN)
+        self.control_reconnects += 1
 
     def _check_handshakes(self) -> None:
         if self.handshakes.poll():

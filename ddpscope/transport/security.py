@@ -390,19 +390,35 @@ class HandshakeWatch:
     succeeded: int = 0
     last_error: str = ""
     monitors: list[tuple[zmq.Socket, zmq.Socket, str]] = field(default_factory=list)
+    #: Watched sockets (watch(..., disconnects=True)) whose connection dropped
+    #: since the owner last cleared this.
+    disconnected: set[zmq.Socket] = field(default_factory=set)
     _logged_at: float = -1e9
     _logged_reason: str = ""
     _precise: bool = False
 
-    def watch(self, sock: zmq.Socket, endpoint: str) -> zmq.Socket:
-        mon = sock.get_monitor_socket(WATCHED_EVENTS)
+    def watch(self, sock: zmq.Socket, endpoint: str, disconnects: bool = False) -> zmq.Socket:
+        """Watch ``sock``'s handshakes (and, if asked, its disconnections); returns the
+        monitor socket to poll."""
+        events = WATCHED_EVENTS | (zmq.EVENT_DISCONNECTED if disconnects else 0)
+        mon = sock.get_monitor_socket(events)
         self.monitors.append((sock, mon, endpoint))
         return mon
+
+    def unwatch(self, sock: zmq.Socket) -> None:
+        for entry in [m for m in self.monitors if m[0] is sock]:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            entry[1].close(linger=0)
+            self.monitors.remove(entry)
+        self.disconnected.discard(sock)
 
     def poll(self) -> int:
         """Read pending events; returns how many handshakes failed among them."""
         failed = 0
-        for _, mon, endpoint in self.monitors:
+        for sock, mon, endpoint in self.monitors:
             while True:
                 try:
                     frames = mon.recv_multipart(zmq.DONTWAIT)
@@ -416,6 +432,9 @@ class HandshakeWatch:
                     continue
                 if evt["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.succeeded += 1
+                    continue
+                if evt["event"] == zmq.EVENT_DISCONNECTED:
+                    self.disconnected.add(sock)
                     continue
                 failed += 1
                 self.failures += 1
