@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ddpscope.record import clocks
 from ddpscope.record.reader import Recording
 from ddpscope.schema import Message, RunInfo, Step
 
@@ -85,14 +86,8 @@ def _anchor(msgs: list[Message], header: dict[str, object]) -> tuple[str, int | 
     host = info.host if info is not None else str(header.get("host", "") or "unknown")
     if info is not None:
         return host, info.wall_ns - info.mono_ns, "run_info"
-    wall, mono = _int(header.get("wall_ns")), _int(header.get("mono_ns"))
-    if wall is not None and mono is not None:
-        return host, wall - mono, "file header"
-    return host, None, "none"
-
-
-def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    offset = clocks.anchor(header)
+    return host, offset, "file header" if offset is not None else "none"
 
 
 def fixed(ns: int, digits: int) -> str:
