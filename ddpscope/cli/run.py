@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 import ddpscope
 from ddpscope import config
@@ -311,24 +312,40 @@ class _Forwarder:
             pass  # the group is gone already
 
 
+def start_job(
+    command: list[str], env: Mapping[str, str], forwarder: _Forwarder, **popen: Any
+) -> subprocess.Popen[bytes] | int:
+    """Start ``command`` in its own session, signals forwarded to it; or the shell's
+    exit status (127 not found, 126 not executable) after saying why it could not."""
+    try:
+        child = subprocess.Popen(command, env=dict(env), start_new_session=True, **popen)
+    except FileNotFoundError:
+        print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
+        return 127
+    except PermissionError as exc:
+        print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
+        return 126
+    forwarder.started(child.pid)
+    return child
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + signal when it was killed."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
 def launch(command: list[str], env: Mapping[str, str]) -> int:
     """Run ``command`` to the end; its exit status, or 128 + signal if killed."""
     forwarder = _Forwarder()
     forwarder.install()
     try:
-        try:
-            child = subprocess.Popen(command, env=dict(env), start_new_session=True)
-        except FileNotFoundError:
-            print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
-            return 127
-        except PermissionError as exc:
-            print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
-            return 126
-        forwarder.started(child.pid)
+        child = start_job(command, env, forwarder)
+        if isinstance(child, int):
+            return child
         rc = child.wait()
     finally:
         forwarder.restore()
-    return 128 - rc if rc < 0 else rc
+    return exit_status(rc)
 
 
 class RunCommand:

@@ -184,7 +184,7 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     while the job runs leaves it running: the launcher then waits for it as
     ``--headless`` would (signals are forwarded, its status is returned).
     """
-    from ddpscope.cli.run import _Forwarder, launch
+    from ddpscope.cli.run import _Forwarder, exit_status, launch, start_job
     from ddpscope.transport.security import SecurityError
     from ddpscope.ui.app import build_app
 
@@ -199,22 +199,16 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     forwarder.install()
     try:
         with feed, open(log_path, "ab") as log:
-            try:
-                child = subprocess.Popen(
-                    command,
-                    env=dict(env),
-                    stdin=subprocess.DEVNULL,  # the terminal belongs to the UI
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            except FileNotFoundError:
-                print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
-                return 127
-            except PermissionError as exc:
-                print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
-                return 126
-            forwarder.started(child.pid)
+            child = start_job(
+                command,
+                env,
+                forwarder,
+                stdin=subprocess.DEVNULL,  # the terminal belongs to the UI
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            if isinstance(child, int):
+                return child
             run_app(build_app(feed, log_path=log_path, job=child))
         report_handshakes(sub, "ddpscope run")
         if child.poll() is None:
@@ -228,4 +222,4 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     finally:
         forwarder.restore()
     print(f"ddpscope run: job output is in {log_path}", file=sys.stderr)
-    return 128 - rc if rc < 0 else rc
+    return exit_status(rc)
