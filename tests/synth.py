@@ -238,6 +238,26 @@ def straggler(
 _FIELDS = ("data", "forward", "backward", "optimizer", "other")
 
 
+def step_at(rank: int, step: int, t: int, *, dur: int = 8 * MS, run: str = RUN) -> Step:
+    """One step message ending at ``t``, ``dur`` long, with a plain 8 ms phase split."""
+    return Step(
+        run=run,
+        rank=rank,
+        t=t,
+        step=step,
+        t_start=t - dur,
+        t_end=t,
+        data_ns=MS,
+        forward_ns=2 * MS,
+        backward_ns=4 * MS,
+        optimizer_ns=MS,
+        other_ns=0,
+        comm_wait_ns=0,
+        micro_batches=1,
+        optimizer_steps=1,
+    )
+
+
 # --- the lockstep simulation -----------------------------------------------------
 
 

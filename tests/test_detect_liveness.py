@@ -10,7 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from synth import MS, RUN, Phases, constant, feed, findings, heartbeat, lockstep, run_infos
+from synth import (
+    MS,
+    RUN,
+    Phases,
+    constant,
+    feed,
+    findings,
+    heartbeat,
+    lockstep,
+    run_infos,
+    step_at,
+)
 
 from ddpscope.analysis.detectors.liveness import (
     HANG_COLD_S,
@@ -21,7 +32,7 @@ from ddpscope.analysis.detectors.liveness import (
 )
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis
-from ddpscope.schema import End, Message, Stacks, Step
+from ddpscope.schema import End, Message, Stacks
 
 S = 1_000_000_000
 TICK = 250 * MS
@@ -46,25 +57,6 @@ def run_steps(world: int = 2, steps: int = 40, **kw: Any) -> list[Message]:
 
 def end_of(msgs: list[Message]) -> int:
     return max(m.t for m in msgs)
-
-
-def step_msg(rank: int, step: int, t: int, dur: int = 8 * MS) -> Step:
-    return Step(
-        run=RUN,
-        rank=rank,
-        t=t,
-        step=step,
-        t_start=t - dur,
-        t_end=t,
-        data_ns=MS,
-        forward_ns=2 * MS,
-        backward_ns=4 * MS,
-        optimizer_ns=MS,
-        other_ns=0,
-        comm_wait_ns=0,
-        micro_batches=1,
-        optimizer_steps=1,
-    )
 
 
 def stuck(
@@ -146,7 +138,7 @@ def hung_run(seconds: float, with_stack: bool = True) -> list[Message]:
     """Rank 1 stops before its optimizer step 40; rank 0 finishes it and waits in step 41."""
     msgs = run_steps(steps=40)
     t = end_of(msgs)
-    msgs.append(step_msg(0, 40, t + 2 * MS))
+    msgs.append(step_at(0, 40, t + 2 * MS))
     msgs += stuck({0: ("allreduce", 41), 1: ("idle", 40)}, t, seconds)
     if with_stack:
         msgs.append(stacks(1, t + 3 * S + 5, step=40))
@@ -208,7 +200,7 @@ def test_hang_after_overrides_the_derived_limit() -> None:
 def test_hang_then_resume_is_kept_as_a_warning() -> None:
     msgs = hung_run(8)
     t = end_of(msgs)
-    msgs += [step_msg(1, 40, t + MS), step_msg(0, 41, t + 2 * MS), step_msg(1, 41, t + 2 * MS)]
+    msgs += [step_at(1, 40, t + MS), step_at(0, 41, t + 2 * MS), step_at(1, 41, t + 2 * MS)]
     msgs += lockstep(2, 5, constant(), first_step=42, start_ns=t + 3 * MS)
     (f,) = kinds(analyze(msgs))["hang"]
     assert not f.active and f.severity == "warning"
@@ -274,7 +266,7 @@ def test_no_hang_on_a_second_long_step_of_the_same_kind() -> None:
         t = end_of(msgs)
         msgs += stuck({0: ("data", first_step), 1: ("allreduce", first_step)}, t, 20)
         t_end = t + 20 * S + MS
-        msgs += [step_msg(r, first_step, t_end, dur=20 * S) for r in (0, 1)]
+        msgs += [step_at(r, first_step, t_end, dur=20 * S) for r in (0, 1)]
         msgs += lockstep(2, 10, constant(), first_step=first_step + 1, start_ns=t_end + MS)
     hang = HangDetector()
     analysis = feed(Analysis([hang], history=2048), msgs, TICK)
@@ -315,7 +307,7 @@ def test_rank_killed_mid_run_post_mortem() -> None:
     """What a SIGKILLed rank leaves: no End; the other finishes a step, then fails."""
     msgs = run_steps(steps=3)
     t = end_of(msgs)
-    msgs.append(step_msg(0, 3, t + 5 * MS))
+    msgs.append(step_at(0, 3, t + 5 * MS))
     gloo = TRACEBACK.replace(
         "ValueError: batch 17 has NaN labels", "RuntimeError: Connection reset"
     )
@@ -334,7 +326,7 @@ def killed_no_end() -> list[Message]:
     """Rank 1 SIGKILLed with steps still in its queue; torchrun SIGTERMs rank 0: no End."""
     msgs = run_steps(steps=2)
     t = end_of(msgs)
-    msgs += [step_msg(0, 2, t + 10 * MS), step_msg(0, 3, t + 30 * MS)]
+    msgs += [step_at(0, 2, t + 10 * MS), step_at(0, 3, t + 30 * MS)]
     return msgs
 
 
@@ -468,7 +460,7 @@ def test_no_exit_finding_under_join() -> None:
     msgs = run_steps(steps=8)
     t = end_of(msgs)
     for i in range(4):
-        msgs.append(step_msg(1, 8 + i, t + (i + 1) * 10 * MS))
+        msgs.append(step_at(1, 8 + i, t + (i + 1) * 10 * MS))
         msgs.append(heartbeat(0, 8, t + (i + 1) * 10 * MS, phase="join", in_phase_s=i * 0.01))
     msgs += [end(0, 8, t + 50 * MS), end(1, 12, t + 51 * MS)]
     analysis = analyze(msgs)
@@ -561,7 +553,7 @@ def test_closed_handle_while_the_run_goes_on() -> None:
     msgs = run_steps(steps=10)
     t = end_of(msgs)
     msgs.append(end(1, 10, t + MS, "close"))
-    msgs += [step_msg(0, 10 + i, t + (i + 2) * 10 * MS) for i in range(5)]
+    msgs += [step_at(0, 10 + i, t + (i + 2) * 10 * MS) for i in range(5)]
     found = kinds(analyze(msgs))
     (f,) = found["telemetry"]
     assert f.severity == "info" and "handle was closed" in f.message

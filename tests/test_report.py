@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, job_env
-from synth import MS, constant, heartbeat, lockstep, run_infos
+from synth import MS, constant, heartbeat, lockstep, run_infos, step_at
 
 from ddpscope.analysis import report
 from ddpscope.cli.main import main
@@ -63,22 +63,7 @@ def write_run(
 
 
 def step_msg(rank: int, step: int, t: int) -> Step:
-    return Step(
-        run="x",
-        rank=rank,
-        t=t,
-        step=step,
-        t_start=t - 8 * MS,
-        t_end=t,
-        data_ns=MS,
-        forward_ns=2 * MS,
-        backward_ns=4 * MS,
-        optimizer_ns=MS,
-        other_ns=0,
-        comm_wait_ns=0,
-        micro_batches=1,
-        optimizer_steps=1,
-    )
+    return step_at(rank, step, t, run="x")
 
 
 def healthy(steps: int = 60, world: int = 2, ended: bool = True) -> list[Message]:
