@@ -75,7 +75,6 @@ class Stream:
         #: order, which is time order but for a few records).
         self.tmax = array("q")
         self.offset = array("q")
-        self.kind = array("b")
         #: Record positions of step messages, and the two figures of each that
         #: the step-time sparklines draw (step time, and busy time: step time
         #: minus all-reduce wait, ms), so a seek fills the sparklines without
@@ -103,7 +102,6 @@ class Stream:
         self.tmax.append(self._last_t)
         self.offset.append(offset)
         code = KIND_CODE[msg.KIND]
-        self.kind.append(code)
         if code == STEP:
             assert isinstance(msg, Step)
             self.step_pos.append(pos)
@@ -132,7 +130,7 @@ class Stream:
 
 
 class RecordingIndex:
-    """Built by :meth:`run` (on a thread); readable from other threads while it grows."""
+    """Built by :meth:`run_pass` (on a thread); readable from other threads while it grows."""
 
     def __init__(
         self,
@@ -152,6 +150,7 @@ class RecordingIndex:
         #: Per step number, the time its last rank reported it (complete everywhere then).
         self.step_done: dict[int, int] = {}
         self._step_seen: dict[int, int] = {}
+        self._newest_step = -1
         self.ranks_expected = 0
         self.first_t = -1
         #: Newest time the pass has fully handled; findings are known up to here.
@@ -190,7 +189,8 @@ class RecordingIndex:
             return sorted(f.raised_ns for f in book) if book else []
 
     def last_step(self) -> int:
-        return max(self.step_done, default=-1)
+        """The newest step any rank reported so far (-1: none)."""
+        return self._newest_step
 
     def stop(self) -> None:
         self._stop.set()
@@ -283,6 +283,7 @@ class RecordingIndex:
 
     def _observe(self, msg: Message, t: int) -> None:
         if isinstance(msg, Step):
+            self._newest_step = max(self._newest_step, msg.step)
             seen = self._step_seen.get(msg.step, 0) + 1
             self._step_seen[msg.step] = seen
             if seen >= max(self.ranks_expected, 1) or msg.step not in self.step_done:

@@ -489,7 +489,7 @@ class ReplayFeed(SnapshotHandoff):
             following=index.follow and not index.done,
             at_end=self._at_end or self._at_last_record(),
             findings_now=len(findings),
-            findings_total=len(index.raised_times()),
+            findings_total=len(index.findings_at(index.t)[1]),
             problems=tuple(index.problems),
             notice=self._notice or (f"index failed: {index.error}" if index.error else ""),
         )
