@@ -1,4 +1,5 @@
-"""Import boundaries: the watcher side never needs torch; nothing but the UI needs textual."""
+"""Import boundaries, checked in fresh interpreters as a user would start them: the
+watcher side never needs torch; nothing but the UI needs textual."""
 
 from __future__ import annotations
 
@@ -30,7 +31,15 @@ BOUNDARIES = {
     "ddpscope.cli.watch": ("torch", "textual"),
     "ddpscope.ui.app": ("torch",),
     "ddpscope.cli.main": ("torch", "textual"),
+    # Rank side: torch yes, textual never.
     "ddpscope.hooks.attach": ("textual",),
+    "ddpscope.hooks.publisher": ("textual",),
+    "ddpscope.hooks.steps": ("textual",),
+    "ddpscope.hooks.comm": ("textual",),
+    "ddpscope.hooks.samplers": ("textual",),
+    "ddpscope.hooks.fingerprint": ("textual",),
+    "ddpscope.hooks.autoattach": ("textual",),
+    "ddpscope.analysis.detectors": ("torch", "textual"),
 }
 
 
@@ -54,3 +63,35 @@ def test_all_detectors_load_without_torch_or_textual() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _imported(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys; print(' '.join(sorted(sys.modules)))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {name.split(".")[0] for name in out.stdout.split()}
+
+
+def test_a_feed_with_every_detector_runs_without_torch_or_textual(tmp_path: object) -> None:
+    code = (
+        "from ddpscope.analysis.live import LiveFeed\n"
+        f"feed = LiveFeed('ipc://{tmp_path}/x.sock')\n"
+        "feed.start(); snap = feed.snapshot(); feed.stop()\n"
+        "assert snap.health.detectors > 0, snap.health.detector_note\n"
+    )
+    assert not _imported(code) & {"torch", "textual"}
+
+
+def test_the_watch_command_builds_its_app_without_torch(tmp_path: object) -> None:
+    code = (
+        "from ddpscope.analysis.live import LiveFeed\n"
+        "from ddpscope.ui.app import build_app\n"
+        "from ddpscope.cli.main import build_parser\n"
+        "build_parser()\n"
+        f"feed = LiveFeed('ipc://{tmp_path}/x.sock')\n"
+        "build_app(feed); feed.stop()\n"
+    )
+    assert "torch" not in _imported(code)

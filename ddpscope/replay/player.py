@@ -163,9 +163,6 @@ class ReplayFeed(SnapshotHandoff):
     def seek_step(self, step: int) -> None:
         self._commands.append(("seek_step", step))
 
-    def seek_time(self, t: int) -> None:
-        self._commands.append(("seek_time", t))
-
     def to_finding(self, direction: int) -> None:
         """To the moment the next (1) or previous (-1) finding was raised."""
         self._commands.append(("finding", direction))
@@ -276,9 +273,6 @@ class ReplayFeed(SnapshotHandoff):
                 self._notice = f"step {arg}: still reading the recording"
             else:
                 self._go_step(int(arg))
-        elif command == "seek_time":
-            self._playing = False
-            self._seek(int(arg))
         elif command == "finding":
             self._playing = False
             self._go_finding(int(arg))
@@ -314,7 +308,7 @@ class ReplayFeed(SnapshotHandoff):
             self._feed_until(self.index.t, FAST_RECORDS)
             self._update_status()
 
-    def _feed_until(self, t: int, budget: int) -> int:
+    def _feed_until(self, t: int, budget: int) -> None:
         """Feed records up to time ``t`` (at most ``budget``); moves the clock along."""
         batch: list[tuple[int, int, Stream, int]] = []
         streams = self.index.streams
@@ -326,7 +320,7 @@ class ReplayFeed(SnapshotHandoff):
             for pos in range(start, stop):
                 batch.append((s.tmax[pos], i, s, pos))
         if not batch:
-            return 0
+            return
         batch.sort(key=lambda e: (e[0], e[1]))
         batch = batch[:budget]
         for tm, i, s, pos in batch:
@@ -339,7 +333,6 @@ class ReplayFeed(SnapshotHandoff):
             self.clock.now = batch[-1][0]
         else:
             self.clock.now = max(self.clock.now, t)
-        return len(batch)
 
     def _seek(self, t: int) -> None:
         t = max(self.index.first_t, min(t, self.index.t))
