@@ -59,39 +59,19 @@ exit status:
 
     def run(self, args: argparse.Namespace) -> int:
         from ddpscope.record import RecordError
-        from ddpscope.record.reader import RunDir, find_runs
+        from ddpscope.record.reader import choose_run, find_runs
 
         try:
-            runs = find_runs(args.dir)
+            if args.list:
+                for r in find_runs(args.dir):
+                    ranks = ", ".join(map(str, r.ranks)) or "none readable"
+                    print(f"{r.run_id}  {len(r.files)} file(s), ranks {ranks}  {r.path}")
+                    for p in r.problems:
+                        print(f"    {p}")
+                return 0
+            chosen = choose_run(args.dir, args.run)
         except RecordError as exc:
             print(f"ddpscope replay: {exc}", file=sys.stderr)
-            return EXIT_UNREADABLE
-        if args.list:
-            for r in runs:
-                ranks = ", ".join(map(str, r.ranks)) or "none readable"
-                print(f"{r.run_id}  {len(r.files)} file(s), ranks {ranks}  {r.path}")
-                for p in r.problems:
-                    print(f"    {p}")
-            return 0
-        chosen: RunDir
-        if args.run is not None:
-            matches = [r for r in runs if args.run in (r.run_id, os.path.basename(r.path))]
-            if not matches:
-                names = ", ".join(r.run_id for r in runs)
-                print(
-                    f"ddpscope replay: no run {args.run!r} in {args.dir} (found: {names})",
-                    file=sys.stderr,
-                )
-                return EXIT_UNREADABLE
-            chosen = matches[0]
-        else:
-            chosen = runs[-1]
-        if not chosen.files:
-            print(
-                f"ddpscope replay: {chosen.path}: no readable rank file: "
-                + "; ".join(chosen.problems),
-                file=sys.stderr,
-            )
             return EXIT_UNREADABLE
         if not (sys.stdin.isatty() and sys.stdout.isatty()):
             print(

@@ -210,8 +210,11 @@ def find_runs(directory: str) -> list[RunDir]:
     return found
 
 
-def open_run(directory: str, run_id: str | None = None) -> Recording:
-    """Read a run (the newest under ``directory`` unless ``run_id`` is given)."""
+def choose_run(directory: str, run_id: str | None = None) -> RunDir:
+    """The run to read: ``run_id`` (its id or directory name), else the newest.
+
+    Raises RecordError when there is no such run, or it has no readable file.
+    """
     runs = find_runs(directory)
     if run_id is not None:
         chosen = [r for r in runs if r.run_id == run_id or os.path.basename(r.path) == run_id]
@@ -223,6 +226,12 @@ def open_run(directory: str, run_id: str | None = None) -> Recording:
         run = runs[-1]
     if not run.files:
         raise RecordError(f"{run.path}: no readable rank file: " + "; ".join(run.problems))
+    return run
+
+
+def open_run(directory: str, run_id: str | None = None) -> Recording:
+    """Read a run (the newest under ``directory`` unless ``run_id`` is given)."""
+    run = choose_run(directory, run_id)
     messages: dict[int, list[Message]] = {}
     problems = list(run.problems)
     # Files keep write order; several processes of one rank follow each other.
