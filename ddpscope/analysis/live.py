@@ -175,8 +175,9 @@ class LiveFeed(SnapshotHandoff):
                 pass
 
     def _catch_up(self, directory: str) -> None:
-        from ddpscope.analysis.sources import merged
+        from ddpscope.analysis.sources import merged, rank_shifts
         from ddpscope.record import RecordError, open_run
+        from ddpscope.record.clocks import HostClocks
 
         try:
             recording = open_run(directory)
@@ -186,12 +187,8 @@ class LiveFeed(SnapshotHandoff):
         # Sender monotonic times onto this process's monotonic clock, through
         # each rank's wall-clock anchor (exact on one host, NTP-good across hosts).
         here = time.time_ns() - time.monotonic_ns()
-        shift: dict[int, int] = {}
-        for rf in recording.run.files:
-            wall, mono = rf.header.get("wall_ns"), rf.header.get("mono_ns")
-            if isinstance(wall, int) and isinstance(mono, int):
-                shift.setdefault(rf.rank, wall - mono - here)
-        for msg in merged(recording):
+        shift = rank_shifts(recording, HostClocks(reference=here))
+        for msg in merged(recording, shift):
             if self._stop.is_set():
                 return
             self.monitor.take(msg, msg.t + shift.get(msg.rank, 0))

@@ -19,9 +19,10 @@ from ddpscope.schema import Message
 TICK_NS = 250_000_000
 
 
-def rank_shifts(recording: Recording) -> dict[int, int]:
-    """Per rank, ns that put its times on the first host's clock (record/clocks.py)."""
-    clocks = HostClocks()
+def rank_shifts(recording: Recording, clocks: HostClocks | None = None) -> dict[int, int]:
+    """Per rank, ns that put its times on ``clocks``' reference (by default the first
+    host's clock; record/clocks.py)."""
+    clocks = HostClocks() if clocks is None else clocks
     shifts: dict[int, int] = {}
     for rf in sorted(recording.run.files, key=lambda f: f.path):
         shifts.setdefault(rf.rank, clocks.shift(rf.header))

@@ -25,12 +25,13 @@ def anchor(header: Mapping[str, Any]) -> int | None:
 
 
 class HostClocks:
-    """Shifts onto the monotonic clock of the first host seen."""
+    """Shifts onto the monotonic clock of the first host seen, or onto a clock
+    whose anchor is given (``reference``: this process's, say)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reference: int | None = None) -> None:
         self._by_host: dict[str, int] = {}
-        #: The reference host's anchor: the replay clock plus this is wall time.
-        self.reference: int | None = None
+        #: The reference clock's anchor: a time on it plus this is wall time.
+        self.reference: int | None = reference
 
     def shift(self, header: Mapping[str, Any]) -> int:
         """ns to add to the times of the file with ``header`` (0 when it has no anchor)."""
