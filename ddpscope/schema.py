@@ -48,7 +48,27 @@ MAX_DEPTH = 8
 MAX_DIMS = 64
 
 #: Phases a rank can be in, as reported by heartbeats and stack dumps.
-PHASES = ("idle", "data", "forward", "backward", "allreduce", "optimizer", "eval", "join", "exited")
+PHASES = (
+    "idle",
+    "data",
+    "forward",
+    "backward",
+    "allreduce",
+    "collective",
+    "optimizer",
+    "eval",
+    "join",
+    "exited",
+)
+#: Phases in which a rank's training thread is blocked on the other ranks.
+WAITING_PHASES = frozenset({"allreduce", "collective", "join"})
+
+#: Classes of the collectives a Step lists (``c_class``): DDP's own syncs outside
+#: backward (the buffer broadcast at the start of forward, Join's per-forward
+#: agreement), and those the script or its framework called.
+COLLECTIVE_CLASSES = ("ddp", "user")
+#: Collectives listed per step at most; the rest are only in the sums (``c_more``).
+MAX_STEP_COLLECTIVES = 32
 
 
 class SchemaError(ValueError):
@@ -163,6 +183,30 @@ class Step(Message):
     b_dur_ns: list[int] = field(default_factory=list)
     #: Clock that timed the step: "cpu" or "cuda".
     clock: str = "cpu"
+    #: Time the training thread was blocked in DDP's own collectives outside backward
+    #: (the buffer broadcast at the start of each forward, Join's per-forward syncs).
+    sync_wait_ns: int = 0
+    #: Time it was blocked in collectives the script or its framework called
+    #: (``dist.all_reduce`` of a loss, ``barrier``, ``*_object``; async ones at ``wait()``).
+    #: The phases above exclude both, so data + forward + backward + comm_wait +
+    #: sync_wait + coll_wait + optimizer + other = t_end - t_start.
+    coll_wait_ns: int = 0
+    #: The step's forwards ran inside a ``Join`` context manager.
+    join: bool = False
+    #: Per blocking collective of the step, in call order (at most
+    #: MAX_STEP_COLLECTIVES): op ("broadcast", "all_reduce", "barrier", ...), class
+    #: ("ddp" or "user"), group ("" default, else "0,2,..."), bytes (-1 unknown),
+    #: start (ns from t_start) and time blocked, call site ("file:line in func",
+    #: "" for DDP's own).
+    c_op: list[str] = field(default_factory=list)
+    c_class: list[str] = field(default_factory=list)
+    c_group: list[str] = field(default_factory=list)
+    c_nbytes: list[int] = field(default_factory=list)
+    c_offset_ns: list[int] = field(default_factory=list)
+    c_dur_ns: list[int] = field(default_factory=list)
+    c_site: list[str] = field(default_factory=list)
+    #: Collectives of the step beyond the list (their time is in the sums).
+    c_more: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -187,6 +231,10 @@ class Heartbeat(Message):
     #: Control messages from the watcher that were malformed or not allowed.
     rejected_requests: int = 0
     wall_ns: int = 0
+    #: While ``phase`` is "collective": its op, class ("ddp" or "user") and call site.
+    coll_op: str = ""
+    coll_class: str = ""
+    coll_site: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -654,6 +702,14 @@ _FIELD_CHECKS: dict[tuple[str, str], Any] = {
         ("step", f): _int_list(MAX_BUCKETS)
         for f in ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns")
     },
+    **{
+        ("step", f): _int_list(MAX_STEP_COLLECTIVES)
+        for f in ("c_nbytes", "c_offset_ns", "c_dur_ns")
+    },
+    **{
+        ("step", f): (lambda v: _check(v, list[str], MAX_STEP_COLLECTIVES))
+        for f in ("c_op", "c_class", "c_group", "c_site")
+    },
     ("buckets", "index"): _int_list(MAX_BUCKETS),
     ("buckets", "nbytes"): _int_list(MAX_BUCKETS),
     ("buckets", "dtype"): lambda v: _check(v, list[str], MAX_BUCKETS),
@@ -666,10 +722,14 @@ _FIELD_CHECKS: dict[tuple[str, str], Any] = {
 }
 
 #: Parallel lists: readers zip them, so they must have one length.
-_PARALLEL: dict[str, tuple[str, ...]] = {
-    "step": ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns"),
-    "buckets": ("index", "nbytes", "dtype", "params"),
-    "collectives": ("ops", "groups", "sites", "counts"),
+#: Per kind, groups of list fields that must have equal lengths.
+_PARALLEL: dict[str, tuple[tuple[str, ...], ...]] = {
+    "step": (
+        ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns"),
+        ("c_op", "c_class", "c_group", "c_nbytes", "c_offset_ns", "c_dur_ns", "c_site"),
+    ),
+    "buckets": (("index", "nbytes", "dtype", "params"),),
+    "collectives": (("ops", "groups", "sites", "counts"),),
 }
 
 
@@ -766,8 +826,8 @@ def decode(buf: bytes) -> Message:
         raise SchemaError(f"{kind}.rank", f"negative rank {rank}")
     if rank >= MAX_WORLD_SIZE:
         raise SchemaError(f"{kind}.rank", f"rank {rank} is beyond {MAX_WORLD_SIZE} ranks")
-    if spec.parallel:
-        _check_parallel(kind, spec.parallel, kwargs)
+    for names in spec.parallel:
+        _check_parallel(kind, names, kwargs)
     if kind == "run_info" and not 0 < kwargs["world_size"] <= MAX_WORLD_SIZE:
         raise SchemaError(
             "run_info.world_size", f"{kwargs['world_size']} is not in 1..{MAX_WORLD_SIZE}"
