@@ -48,6 +48,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # faults
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank is a straggler")
     p.add_argument("--slow-ms", type=float, default=50.0, help="straggler's extra ms/step")
+    p.add_argument(
+        "--slow-phase",
+        choices=["between", "data", "forward"],
+        default="between",
+        help="where the straggler loses its time: between backward and optimizer.step(), "
+        "in its data loading (the collate function), or inside its model's forward",
+    )
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="cnn: Conv+BatchNorm")
+    p.add_argument("--loss-allreduce", action="store_true", help="all-reduce the loss each step")
+    p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
+    p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
     p.add_argument("--no-set-epoch", action="store_true", help="forget sampler.set_epoch()")
     p.add_argument("--unsharded", action="store_true", help="RandomSampler, no sharding")
     p.add_argument("--desync-rank", type=int, default=-1, help="edit this rank's weights")
@@ -57,6 +68,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops at --hang-step")
     p.add_argument("--hang-step", type=int, default=5)
     p.add_argument("--hang-s", type=float, default=30.0)
+    p.add_argument(
+        "--hang-phase",
+        choices=["between", "data"],
+        default="between",
+        help="where the hang rank stalls: between two steps, or in its data loading",
+    )
     p.add_argument("--lr-rank", type=int, default=-1, help="this rank uses twice the lr")
     p.add_argument("--seed-per-rank", action="store_true", help="sampler seed = rank (overlap)")
     p.add_argument("--save-all-ranks", action="store_true", help="every rank saves --checkpoint")
@@ -92,6 +109,48 @@ def build_model(width: int, depth: int, batchnorm: bool = False) -> nn.Module:
     return nn.Sequential(*layers)
 
 
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm: its buffers make DDP broadcast in every forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        channels = max(4, width // 16)
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, padding=1),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(channels * 64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.view(-1, 1, 8, 8)).flatten(1))
+
+
+class Collate:
+    """The default collate, slowed on one rank: a straggler or a stall in data loading."""
+
+    def __init__(self, args: argparse.Namespace, rank: int) -> None:
+        self.slow = args.slow_ms / 1000 if rank == args.slow_rank else 0.0
+        if args.slow_phase != "data":
+            self.slow = 0.0
+        self.hang_at = args.hang_step if rank == args.hang_rank else -1
+        if args.hang_phase != "data":
+            self.hang_at = -1
+        self.hang_s = args.hang_s
+        self.batches = 0
+
+    def __call__(self, items: list[Any]) -> Any:
+        if self.slow:
+            time.sleep(self.slow)
+        if self.batches == self.hang_at:
+            time.sleep(self.hang_s)
+        self.batches += 1
+        return torch.utils.data.default_collate(items)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     if not args.no_attach:
@@ -121,9 +180,21 @@ def main(argv: list[str] | None = None) -> None:
     else:
         seed = rank if args.seed_per_rank else args.seed
         sampler = DistributedSampler(dataset, seed=seed)
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch,
+        sampler=sampler,
+        num_workers=args.workers,
+        collate_fn=Collate(args, rank),
+    )
 
-    net = build_model(args.width, args.depth, args.batchnorm).to(device or "cpu")
+    if args.model == "cnn":
+        net: nn.Module = ConvNet(args.width)
+    else:
+        net = build_model(args.width, args.depth, args.batchnorm)
+    net = net.to(device or "cpu")
+    if rank == args.slow_rank and args.slow_phase == "forward":
+        net.register_forward_pre_hook(lambda *_: time.sleep(args.slow_ms / 1000))
     if args.dataparallel:
         net = nn.DataParallel(net)  # legacy single-process multi-GPU code left in a DDP job
     model = DDP(
@@ -146,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     step = 0
-    join = Join([model]) if args.uneven else _null()
+    join = Join([model]) if args.uneven and not args.no_join else _null()
     with join:
         step, loss, times = _train(args, rank, model, opt, loss_fn, loader, sampler, device)
     if args.timing:
@@ -184,7 +255,9 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             micro += 1
             sync = micro == args.accum
             with _null() if sync else model.no_sync():
-                loss = loss_fn(model(xb), yb) / args.accum
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
+                    out = model(xb)
+                loss = loss_fn(out.float(), yb) / args.accum
                 loss.backward()
             if not sync:
                 continue
@@ -195,6 +268,10 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             else:
                 opt.step()
                 opt.zero_grad()
+            if args.loss_allreduce:
+                # Logging the mean loss over ranks, as many scripts do every step.
+                logged = loss.detach().clone()
+                dist.all_reduce(logged)
             step += 1
             now = time.perf_counter()
             times.append(now - last)
@@ -249,14 +326,14 @@ class _null:
 def _inject(args: argparse.Namespace, rank: int, step: int, model: nn.Module) -> None:
     if args.step_sleep_ms:
         time.sleep(args.step_sleep_ms / 1000)
-    if rank == args.slow_rank:
+    if rank == args.slow_rank and args.slow_phase == "between":
         time.sleep(args.slow_ms / 1000)
     if rank == args.desync_rank and step == args.desync_step:
         with torch.no_grad():
             next(model.parameters()).add_(1e-3)
     if rank == args.kill_rank and step == args.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)
-    if rank == args.hang_rank and step == args.hang_step:
+    if rank == args.hang_rank and step == args.hang_step and args.hang_phase == "between":
         time.sleep(args.hang_s)
     if rank == args.raise_rank and step == args.raise_step:
         raise RuntimeError(f"injected failure on rank {rank} at step {step}")

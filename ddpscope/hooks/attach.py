@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 
 from ddpscope import config
 from ddpscope.config import ConfigError, Options
-from ddpscope.hooks import comm, recipe, runinfo
+from ddpscope.hooks import collectives, comm, recipe, runinfo
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
@@ -96,6 +96,8 @@ class _Process:
             current_step=lambda: self.publisher.state.step,
         )
         self.recipe.install()
+        #: Made with the first model: user collectives are booked in its steps.
+        self.timer: collectives.CollectiveTimer | None = None
         self._opt_hooks = [
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_optimizer_step_post_hook(self._optimizer_post),
@@ -178,6 +180,8 @@ class _Process:
                 pass
             for hook in self._opt_hooks:
                 hook.remove()
+            if self.timer is not None:
+                collectives.uninstall(self.timer)
             self.recipe.finish()
             self.publisher.close(reason, error)
         finally:
@@ -239,6 +243,7 @@ class Handle:
             # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
             model.register_forward_pre_hook(self._guarded(watch.forward_pre), with_kwargs=True),
         ]
+        proc.recipe.guard(self._time_collectives, proc, model)
         self.comm = comm.wrap(model)
         if self.comm is not None:
             self.comm.tracker = self.tracker
@@ -270,6 +275,12 @@ class Handle:
         self._proc.finish(reason="close")
 
     # --- internals -----------------------------------------------------------
+
+    def _time_collectives(self, proc: _Process, model: Any) -> None:
+        if proc.timer is None:
+            proc.timer = collectives.CollectiveTimer(self.tracker, proc.recipe.group_key)
+            collectives.install(proc.timer)
+        proc.timer.wrap_buffer_sync(model, self.tracker)
 
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
         return _ModuleHook(fn, self.tracker.fail)

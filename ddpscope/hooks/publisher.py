@@ -60,7 +60,16 @@ class RankState:
     heartbeat needs: a consistent-enough view, never a lock on the hot path.
     """
 
-    __slots__ = ("bucket", "join_shadow", "phase", "since_ns", "step")
+    __slots__ = (
+        "bucket",
+        "coll_class",
+        "coll_op",
+        "coll_site",
+        "join_shadow",
+        "phase",
+        "since_ns",
+        "step",
+    )
 
     def __init__(self) -> None:
         self.phase = "idle"
@@ -68,6 +77,10 @@ class RankState:
         self.step = 0
         self.bucket = -1
         self.join_shadow = 0
+        # The collective the training thread is blocked in, while phase is "collective".
+        self.coll_op = ""
+        self.coll_class = ""
+        self.coll_site = ""
 
     def enter(self, phase: str) -> None:
         if phase != self.phase:
@@ -297,6 +310,10 @@ class Publisher:
             "wall_ns": time.time_ns(),
             "t": mono,
         }
+        if st.phase == "collective":
+            fields["coll_op"] = st.coll_op
+            fields["coll_class"] = st.coll_class
+            fields["coll_site"] = st.coll_site
         fields.update(self._host.sample())
         self._emit("heartbeat", 0, fields, record=True)
         # Any phase can hang, user code ("idle") included: a rank asleep there

@@ -578,14 +578,43 @@ def _group_index(fn: Any) -> int | None:
     return names.index("group") if "group" in names else None
 
 
+class CollectiveTiming(Protocol):
+    """:class:`ddpscope.hooks.collectives.CollectiveTimer`'s entry point."""
+
+    def call(
+        self,
+        op: str,
+        orig: Callable[..., Any],
+        caller: FrameType,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        group_at: int | None,
+    ) -> Any: ...
+
+
+#: Set by ddpscope.hooks.collectives while a rank times its collectives.
+_timing: CollectiveTiming | None = None
+
+
+def set_timing(timing: CollectiveTiming | None) -> None:
+    global _timing
+    _timing = timing
+
+
 def _collective_wrapper(op: str, orig: Callable[..., Any]) -> Callable[..., Any]:
     group_at = _group_index(orig)
 
     @functools.wraps(orig)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         probe = _active
+        timing = _timing
+        if probe is None and timing is None:
+            return orig(*args, **kwargs)
+        caller = sys._getframe(1)
         if probe is not None:
-            probe.on_collective(op, sys._getframe(1), args, kwargs, group_at)
+            probe.on_collective(op, caller, args, kwargs, group_at)
+        if timing is not None:
+            return timing.call(op, orig, caller, args, kwargs, group_at)
         return orig(*args, **kwargs)
 
     return wrapper
@@ -675,6 +704,8 @@ __all__ = [
     "expected_device",
     "patched",
     "run_info_fields",
+    "set_timing",
+    "site_of",
     "snapshot_due",
     "user_frame",
 ]

@@ -14,6 +14,12 @@ after it. Its phases:
   hold this model's parameters;
 - other: the rest (loss, clipping, logging, evaluation without grad).
 
+Collectives other than the gradient all-reduce (DDP's buffer broadcast at
+the start of forward, a loss all-reduce, a barrier: see
+:mod:`ddpscope.hooks.collectives`) are booked apart, as DDP-sync or user
+collective waits, and taken out of whichever phase they interrupted, so the
+phases and the waits add up to the step.
+
 Counting survives the usual tricks: ``no_sync()`` micro-batches run backward
 without an all-reduce and stay in the step; a step GradScaler skips (no
 optimizer call) is closed at the next forward with ``optimizer_steps == 0``;
@@ -35,6 +41,7 @@ import torch
 
 from ddpscope.hooks.clocks import Clock
 from ddpscope.hooks.publisher import Publisher
+from ddpscope.schema import MAX_STEP_COLLECTIVES
 
 log = logging.getLogger("ddpscope")
 
@@ -45,6 +52,10 @@ _PHASE_FIELD = {
     WAIT: "comm_wait_ns",
     OPTIMIZER: "optimizer_ns",
 }
+
+#: Collectives kept per step beyond the listed ones: their time still counts in
+#: the sums; past this a step (a joined rank's endless shadow step) stops growing.
+_MAX_TIMED_COLLECTIVES = 1024
 
 #: Steps during which every bucket's parameters are mapped; DDP rebuilds its
 #: buckets during the second iteration, so a few steps cover the rebuild.
@@ -121,6 +132,10 @@ class StepTracker:
         self._synced = False
         self._opt = 0
         self._eval_ns = 0
+        #: (is_ddp, op, group, nbytes, site, start token, end token, in_eval)
+        self._c: list[tuple[bool, str, str, int, str, int, int, bool]] = []
+        self._c_lost = 0
+        self._join = False
 
     # --- forward -------------------------------------------------------------
 
@@ -144,6 +159,9 @@ class StepTracker:
             self._iv.append((DATA, self._prev_end, t))
         self._fwd_start = t
         self._fwd_sync = bool(getattr(module, "require_backward_grad_sync", True))
+        join_config = getattr(module, "_join_config", None)
+        if join_config is not None and join_config.enable:
+            self._join = True
         self._fwd += 1
         self.state.enter("forward")
 
@@ -229,6 +247,30 @@ class StepTracker:
             self._layout_dtype[index] = dtype
             self._layout_dirty = True
 
+    # --- other collectives (called by hooks/collectives.py) ------------------
+
+    def collective_begin(self, op: str, cls: str, site: str) -> tuple[int, str] | None:
+        if not self.enabled:
+            return None
+        st = self.state
+        prev = st.phase
+        st.coll_op, st.coll_class, st.coll_site = op, cls, site
+        st.enter("collective")
+        return self.stamp(), prev
+
+    def collective_end(
+        self, begun: tuple[int, str], op: str, cls: str, group: str, nbytes: int, site: str
+    ) -> None:
+        t = self.stamp()
+        start, prev = begun
+        self.state.enter(prev)
+        if not self.enabled or self._start is None:
+            return  # before the first forward: no step to book it in
+        if len(self._c) < _MAX_TIMED_COLLECTIVES:
+            self._c.append((cls == "ddp", op, group, nbytes, site, start, t, prev == "eval"))
+        else:
+            self._c_lost += 1
+
     # --- optimizer (global hooks, any thread that steps) ---------------------
 
     def _relevance(self, opt: Any) -> tuple[bool, bool]:
@@ -293,6 +335,9 @@ class StepTracker:
             loader_pass,
             self.layout_gen,
             self._eval_ns,
+            self._c,
+            self._c_lost,
+            self._join,
         )
         self.pub.post("step", self.model_index, payload, self.finish)
         recent = self._recent
@@ -352,6 +397,9 @@ class StepTracker:
             lpass,
             gen,
             evaluated,
+            colls,
+            colls_lost,
+            joined,
         ) = payload
         clock = self.clock
         if -1 in b_end and not force:
@@ -359,6 +407,7 @@ class StepTracker:
         device_tokens = [tok for kind, a, b in iv if kind != DATA for tok in (a, b)]
         device_tokens += b_start
         device_tokens += [t for t in b_end if t >= 0]
+        device_tokens += [tok for c in colls for tok in (c[5], c[6])]
         times = clock.resolve(device_tokens, force)
         if times is None:
             return None
@@ -366,17 +415,23 @@ class StepTracker:
         t_start, t_end = clock.host_ns(start), clock.host_ns(end)
         sums = dict.fromkeys(_PHASE_FIELD.values(), 0)
         data = 0
+        spans: list[tuple[int, int, int]] = []
         for kind, a, b in iv:
             if kind == DATA:
-                data += clock.host_ns(b) - clock.host_ns(a)
+                lo, hi = clock.host_ns(a), clock.host_ns(b)
+                data += hi - lo
             else:
-                sums[_PHASE_FIELD[kind]] += at[b] - at[a]
+                lo, hi = at[a], at[b]
+                sums[_PHASE_FIELD[kind]] += hi - lo
+            spans.append((kind, lo, hi))
         # Evaluation between steps falls inside the gap before the next
         # forward; it is not waiting for data, so it moves to "other".
         data = max(0, data - evaluated)
+        sync_wait, coll_wait, data_out = self._collective_waits(colls, at, spans, sums)
+        data = max(0, data - data_out)
         offsets = [at[t] - t_start for t in b_start]
         durations = [at[e] - at[s] if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
-        accounted = data + sum(sums.values())
+        accounted = data + sum(sums.values()) + sync_wait + coll_wait
         fields: dict[str, Any] = {
             "step": step,
             "t_start": t_start,
@@ -394,9 +449,56 @@ class StepTracker:
             "b_dur_ns": durations,
             "clock": clock.name,
             "t": t_end,
+            "sync_wait_ns": sync_wait,
+            "coll_wait_ns": coll_wait,
+            "join": joined,
         }
+        if colls:
+            listed = colls[:MAX_STEP_COLLECTIVES]
+            fields["c_op"] = [c[1] for c in listed]
+            fields["c_class"] = ["ddp" if c[0] else "user" for c in listed]
+            fields["c_group"] = [c[2] for c in listed]
+            fields["c_nbytes"] = [c[3] for c in listed]
+            fields["c_offset_ns"] = [at[c[5]] - t_start for c in listed]
+            fields["c_dur_ns"] = [at[c[6]] - at[c[5]] for c in listed]
+            fields["c_site"] = [c[4] for c in listed]
+            fields["c_more"] = len(colls) - len(listed) + colls_lost
         fields.update(sums)
         return fields
+
+    @staticmethod
+    def _collective_waits(
+        colls: list[tuple[bool, str, str, int, str, int, int, bool]],
+        at: dict[int, int],
+        spans: list[tuple[int, int, int]],
+        sums: dict[str, int],
+    ) -> tuple[int, int, int]:
+        """Sum the waits by class and take each out of the phase it interrupted.
+
+        Returns (DDP sync wait, user collective wait, time to take out of
+        data). ``sums`` is changed in place. A collective in no phase was in
+        "other", which is what remains of the step; one inside an evaluation
+        forward is already out of data with the evaluation.
+        """
+        sync_wait = coll_wait = data_out = 0
+        for is_ddp, _op, _group, _nbytes, _site, a, b, in_eval in colls:
+            begin = at[a]
+            dur = max(0, at[b] - begin)
+            if is_ddp:
+                sync_wait += dur
+            else:
+                coll_wait += dur
+            if in_eval:
+                continue
+            for kind, lo, hi in spans:
+                if lo <= begin <= hi:
+                    if kind == DATA:
+                        data_out += dur
+                    else:
+                        name = _PHASE_FIELD[kind]
+                        sums[name] = max(0, sums[name] - dur)
+                    break
+        return sync_wait, coll_wait, data_out
 
     def fail(self, exc: BaseException) -> None:
         if self.enabled:
