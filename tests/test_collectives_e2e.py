@@ -1,0 +1,230 @@
+"""Waits outside the gradient all-reduce, on real torchrun jobs (gloo) with a BatchNorm CNN.
+
+DDP broadcasts a BatchNorm model's buffers at the start of every forward, so a
+fast rank waits for a slow one there (or in the script's loss all-reduce, or
+an epoch barrier), not in the gradient all-reduce. Each test records a demo job
+(``--model cnn``), runs ``ddpscope report --json`` on it as a user would, and
+checks what is named: the slow rank and its phase, the stalled rank of a hang
+with its stack, uneven inputs with and without Join; and, on healthy jobs of
+every shape (accumulation, DataLoader workers, autocast, 3 ranks), nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DEMO, ROOT, job_env, torchrun
+
+from ddpscope.record import open_run
+from ddpscope.schema import Step
+
+pytestmark = pytest.mark.torchrun
+
+#: 512 samples in batches of 32: 8 steps per epoch with 2 ranks, 5 with 3.
+CNN = ["--model", "cnn", "--samples", "512", "--batch", "32"]
+#: The straggler's extra time per step: far above the noise of a shared 2-core machine.
+SLOW_MS = 60
+
+
+def record(tmp: Path, endpoint: str, *flags: str, nproc: int = 2, **env: str) -> Path:
+    rec = tmp / "rec"
+    torchrun(
+        [str(DEMO), *CNN, *flags],
+        nproc=nproc,
+        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint, **env),
+        timeout=240,
+    )
+    return rec
+
+
+def report(rec: Path, *args: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpscope", "report", str(rec), "--json", *args],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc: dict[str, Any] = json.loads(proc.stdout)
+    return doc
+
+
+def serious(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return [f for f in doc["findings"] if f["severity"] in ("warning", "error")]
+
+
+def brief(findings: list[dict[str, Any]]) -> str:
+    return json.dumps([(f["kind"], f["severity"], f["ranks"], f["message"]) for f in findings])
+
+
+def steps_of(rec: Path) -> dict[int, list[Step]]:
+    msgs = open_run(str(rec)).messages
+    return {r: [m for m in ms if isinstance(m, Step)] for r, ms in msgs.items()}
+
+
+def split(s: Step) -> int:
+    return (
+        s.data_ns
+        + s.forward_ns
+        + s.backward_ns
+        + s.comm_wait_ns
+        + s.sync_wait_ns
+        + s.coll_wait_ns
+        + s.optimizer_ns
+        + s.other_ns
+    )
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+# --- stragglers -------------------------------------------------------------------
+
+STRAGGLERS = [
+    # (where the slow rank loses its time, extra flags, ranks, the phase it grows)
+    pytest.param("data", [], 2, "data", id="data-2ranks"),
+    pytest.param("data", ["--loss-allreduce", "--barrier"], 3, "data", id="data-logging-3ranks"),
+    pytest.param("forward", [], 2, "forward", id="forward-2ranks"),
+    pytest.param("forward", ["--loss-allreduce", "--barrier"], 2, "forward", id="forward-logging"),
+    pytest.param("between", [], 3, "other", id="between-3ranks"),
+    pytest.param("between", ["--loss-allreduce", "--barrier"], 2, "other", id="between-logging"),
+]
+
+
+@pytest.mark.parametrize(("where", "extra", "nproc", "phase"), STRAGGLERS)
+def test_a_slow_rank_of_a_batchnorm_job_is_named_with_its_phase(
+    tmp_path: Path, endpoint: str, where: str, extra: list[str], nproc: int, phase: str
+) -> None:
+    slow = nproc - 1
+    flags = ["--epochs", "4", "--slow-rank", str(slow), "--slow-ms", str(SLOW_MS)]
+    rec = record(tmp_path, endpoint, *flags, "--slow-phase", where, *extra, nproc=nproc)
+    doc = report(rec)
+    found = serious(doc)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("straggler", [slow])], brief(found)
+    f = found[0]
+    assert f["evidence"]["grown_phases"][0] == phase, f["evidence"]
+    assert f["evidence"]["what_if_step_ms"] < f["evidence"]["step_ms"] - SLOW_MS / 2
+
+    # What the rank side measured: the split adds up, and the waiters' time is in
+    # the waits (the buffer broadcast, or the script's collectives), not in a phase.
+    steps = steps_of(rec)
+    for rank_steps in steps.values():
+        assert all(split(s) == s.t_end - s.t_start for s in rank_steps)
+    for rank in range(nproc - 1):
+        later = steps[rank][3:]
+        waits = median([(s.sync_wait_ns + s.coll_wait_ns + s.comm_wait_ns) / 1e6 for s in later])
+        assert waits > SLOW_MS * 0.6, (rank, waits)
+        assert median([getattr(s, f"{phase}_ns") / 1e6 for s in later]) < SLOW_MS / 3
+        assert all("broadcast" in s.c_op for s in later)
+        if extra:
+            assert all("all_reduce" in s.c_op for s in later)
+
+
+# --- hangs ------------------------------------------------------------------------
+
+HANGS = [
+    # (where the stalled rank stops, at which step, ranks, its phase, a frame of its stack)
+    pytest.param("data", 3, 2, "data", "__call__", id="data-loading-step3"),
+    pytest.param("between", 6, 3, "idle", "_inject", id="between-steps-3ranks"),
+]
+
+
+@pytest.mark.parametrize(("where", "step", "nproc", "phase", "frame"), HANGS)
+def test_a_stalled_rank_of_a_batchnorm_job_is_a_hang_with_its_stack(
+    tmp_path: Path, endpoint: str, where: str, step: int, nproc: int, phase: str, frame: str
+) -> None:
+    stalled = nproc - 1
+    flags = ["--epochs", "2", "--hang-rank", str(stalled), "--hang-step", str(step)]
+    rec = record(
+        tmp_path,
+        endpoint,
+        *flags,
+        "--hang-s",
+        "9",
+        "--hang-phase",
+        where,
+        nproc=nproc,
+        DDPSCOPE_STACKS_AFTER_S="2",
+    )
+    doc = report(rec, "--hang-after", "4")
+    hangs = [f for f in doc["findings"] if f["kind"] == "hang"]
+    assert len(hangs) == 1, brief(doc["findings"])
+    f = hangs[0]
+    assert f["ranks"] == [stalled], f
+    assert f["step"] <= step + 1
+    where_ = f["evidence"]["where"]
+    assert where_[str(stalled)]["phase"] == phase
+    for waiter in range(nproc - 1):
+        # they wait in DDP's buffer broadcast at the start of their next forward
+        assert where_[str(waiter)]["phase"] == "collective", where_
+    assert "broadcast" in f["message"], f["message"]
+    stack = f["evidence"]["stack"]
+    assert stack is not None and stack["rank"] == stalled
+    assert stack["at"].endswith(f"in {frame}") and "train.py" in stack["at"], stack
+    assert [g for g in serious(doc) if g["kind"] != "hang"] == [], brief(serious(doc))
+
+
+# --- uneven inputs ----------------------------------------------------------------
+
+
+def test_uneven_inputs_under_join_are_information_only(tmp_path: Path, endpoint: str) -> None:
+    rec = record(tmp_path, endpoint, "--epochs", "2", "--uneven")
+    doc = report(rec)
+    assert serious(doc) == [], brief(serious(doc))
+    uneven = [f for f in doc["findings"] if f["kind"] == "uneven_inputs"]
+    assert len(uneven) == 1 and uneven[0]["severity"] == "info", brief(doc["findings"])
+    assert "Join" in uneven[0]["message"]
+    assert all(s.join for ss in steps_of(rec).values() for s in ss)
+
+
+def test_uneven_inputs_without_join_are_the_cause_not_a_list_of_errors(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = tmp_path / "rec"
+    # Without Join the longer rank's extra forward broadcasts alone: the job stops
+    # at the process group's timeout, as such jobs do (after 10 minutes by default).
+    torchrun(
+        [str(DEMO), *CNN, "--epochs", "1", "--uneven", "--no-join", "--pg-timeout-s", "8"],
+        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
+        timeout=240,
+        check=False,
+    )
+    doc = report(rec, "--hang-after", "4")
+    loud = serious(doc)
+    causes = [f for f in loud if f["kind"] == "uneven_inputs"]
+    assert len(causes) == 1, brief(doc["findings"])
+    assert causes[0].get("cause") in (None, {}), causes[0]
+    for f in loud:
+        if f["kind"] != "uneven_inputs":
+            # anything else that stands (the hang it leads to) names it as the cause
+            assert (f.get("cause") or {}).get("kind") == "uneven_inputs", brief(loud)
+    assert not any(f["kind"] == "rank0_only_collective" for f in loud), brief(loud)
+
+
+# --- healthy jobs -----------------------------------------------------------------
+
+HEALTHY = [
+    pytest.param(["--accum", "2", "--workers", "2", "--autocast"], 2, id="accum-workers-autocast"),
+    pytest.param(["--loss-allreduce", "--barrier"], 3, id="logging-3ranks"),
+]
+
+
+@pytest.mark.parametrize(("flags", "nproc"), HEALTHY)
+def test_a_healthy_batchnorm_job_raises_nothing(
+    tmp_path: Path, endpoint: str, flags: list[str], nproc: int
+) -> None:
+    rec = record(tmp_path, endpoint, "--epochs", "3", *flags, nproc=nproc)
+    doc = report(rec)
+    assert serious(doc) == [], brief(serious(doc))
+    for rank_steps in steps_of(rec).values():
+        assert all(split(s) == s.t_end - s.t_start for s in rank_steps)
+        assert all("broadcast" in s.c_op for s in rank_steps[1:])
