@@ -261,6 +261,11 @@ def step_at(rank: int, step: int, t: int, *, dur: int = 8 * MS, run: str = RUN) 
 # --- the lockstep simulation -----------------------------------------------------
 
 
+#: Call sites the simulated script's own collectives report.
+SITE_LOSS = "/job/train.py:57 in train"
+SITE_BARRIER = "/job/train.py:61 in train"
+
+
 def lockstep(
     world: int,
     steps: int,
@@ -274,6 +279,12 @@ def lockstep(
     heartbeat_every: int = 5,
     cpu_pct: Callable[[int], float] | None = None,
     rss_bytes: Callable[[int], int] | None = None,
+    buffers: bool = False,
+    loss_allreduce: bool = False,
+    barrier_every: int = 0,
+    micro_batches: int = 1,
+    join: bool = False,
+    coll_transfer_ns: int = 100_000,
 ) -> list[Message]:
     """Steps (and heartbeats) of ``world`` ranks in synchronous DDP, ordered by time.
 
@@ -282,23 +293,55 @@ def lockstep(
     process group does) finishes ``transfer_ns`` after the last rank launched
     it. A rank then waits for its last bucket (``comm_wait_ns``), runs "other"
     (code between backward and the optimizer) and the optimizer.
+
+    The other collectives a real loop blocks in, each finishing
+    ``coll_transfer_ns`` after the last rank reached it, so that a fast rank
+    waits there for a slow one:
+
+    - ``buffers``: DDP's buffer broadcast at the start of every forward
+      (BatchNorm with ``broadcast_buffers=True``), booked in ``sync_wait_ns``;
+    - ``loss_allreduce``: the script's ``dist.all_reduce`` of the loss after
+      ``optimizer.step()``, which the rank side books in the next step's window
+      (``coll_wait_ns``), so it opens every step but the first;
+    - ``barrier_every``: a ``dist.barrier()`` opening every N-th step (an epoch end);
+    - ``micro_batches``: gradient accumulation, the step's data, forward and
+      backward split over that many micro-batches (each forward broadcasting
+      buffers), only the last backward all-reducing.
     """
     t0 = [start_ns] * world
     out: list[Message] = []
     for step in range(first_step, first_step + steps):
         own = [timing(r, step) for r in range(world)]
+        cur = list(t0)
+        held = _Held(world)
+
+        if loss_allreduce and step > first_step:
+            held.sync(cur, t0, coll_transfer_ns, "all_reduce", "user", SITE_LOSS, 4)
+        if barrier_every and step > first_step and step % barrier_every == 0:
+            held.sync(cur, t0, coll_transfer_ns, "barrier", "user", SITE_BARRIER, -1)
+        k = max(1, micro_batches)
+        for m in range(k):
+            for r, p in enumerate(own):
+                cur[r] += _part(p.data, m, k)
+            if buffers:
+                held.sync(cur, t0, coll_transfer_ns, "broadcast", "ddp", "", -1)
+            for r, p in enumerate(own):
+                cur[r] += _part(p.forward, m, k)
+                if m < k - 1:
+                    cur[r] += _part(p.backward, m, k)
+        last = [_part(p.backward, k - 1, k) for p in own]
         launch = [
-            [t0[r] + p.data + p.forward + p.backward * (k + 1) // buckets for k in range(buckets)]
-            for r, p in enumerate(own)
+            [cur[r] + last[r] * (b + 1) // buckets for b in range(buckets)] for r in range(world)
         ]
         done: list[int] = []
-        for k in range(buckets):
-            ready = max(launch[r][k] for r in range(world))
+        for b in range(buckets):
+            ready = max(launch[r][b] for r in range(world))
             done.append(max(ready, done[-1] if done else 0) + transfer_ns)
         for r, p in enumerate(own):
-            compute_end = t0[r] + p.data + p.forward + p.backward
+            compute_end = cur[r] + last[r]
             finalize = max(compute_end, done[-1])
             end = finalize + p.other + p.optimizer
+            mine = held.colls[r]
             out.append(
                 Step(
                     run=run,
@@ -313,13 +356,23 @@ def lockstep(
                     optimizer_ns=p.optimizer,
                     other_ns=p.other,
                     comm_wait_ns=finalize - compute_end,
-                    micro_batches=1,
+                    sync_wait_ns=held.sync_wait[r],
+                    coll_wait_ns=held.coll_wait[r],
+                    join=join,
+                    micro_batches=k,
                     optimizer_steps=1,
                     layout=1,
                     b_index=list(range(buckets)),
                     b_nbytes=[1 << 20] * buckets,
-                    b_offset_ns=[launch[r][k] - t0[r] for k in range(buckets)],
-                    b_dur_ns=[done[k] - launch[r][k] for k in range(buckets)],
+                    b_offset_ns=[launch[r][b] - t0[r] for b in range(buckets)],
+                    b_dur_ns=[done[b] - launch[r][b] for b in range(buckets)],
+                    c_op=[c[0] for c in mine],
+                    c_class=[c[1] for c in mine],
+                    c_group=["" for _ in mine],
+                    c_nbytes=[c[3] for c in mine],
+                    c_offset_ns=[c[4] for c in mine],
+                    c_dur_ns=[c[5] for c in mine],
+                    c_site=[c[2] for c in mine],
                 )
             )
             if heartbeat_every and step % heartbeat_every == 0:
@@ -336,6 +389,41 @@ def lockstep(
             t0[r] = end
     out.sort(key=lambda m: m.t)
     return out
+
+
+class _Held:
+    """One step's collectives outside backward, per rank, as lockstep() simulates them."""
+
+    def __init__(self, world: int) -> None:
+        self.colls: list[list[tuple[str, str, str, int, int, int]]] = [[] for _ in range(world)]
+        self.sync_wait = [0] * world
+        self.coll_wait = [0] * world
+
+    def sync(
+        self,
+        cur: list[int],
+        t0: list[int],
+        transfer: int,
+        op: str,
+        cls: str,
+        site: str,
+        nbytes: int,
+    ) -> None:
+        """Every rank blocks from its ``cur`` until the last one arrived, plus ``transfer``."""
+        done = max(cur) + transfer
+        for r, at in enumerate(cur):
+            blocked = done - at
+            self.colls[r].append((op, cls, site, nbytes, at - t0[r], blocked))
+            if cls == "ddp":
+                self.sync_wait[r] += blocked
+            else:
+                self.coll_wait[r] += blocked
+            cur[r] = done
+
+
+def _part(total: int, m: int, k: int) -> int:
+    """The m-th of k near-equal parts of ``total`` (the parts add up to it)."""
+    return total * (m + 1) // k - total * m // k
 
 
 # --- feeding -------------------------------------------------------------------

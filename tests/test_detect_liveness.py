@@ -13,6 +13,8 @@ import pytest
 from synth import (
     MS,
     RUN,
+    SITE_BARRIER,
+    SITE_LOSS,
     Phases,
     constant,
     feed,
@@ -65,12 +67,15 @@ def stuck(
     seconds: float,
     bucket: int = 3,
     every: int = S,
+    colls: dict[int, tuple[str, str, str]] | None = None,
 ) -> list[Message]:
-    """Heartbeats of ranks stuck from ``start`` on: rank -> (phase, step count)."""
+    """Heartbeats of ranks stuck from ``start`` on: rank -> (phase, step count); ranks in
+    phase "collective" say which one in ``colls``: rank -> (op, class, site)."""
     out: list[Message] = []
     t = start + every
     while t <= start + int(seconds * S):
         for r, (phase, step) in phases.items():
+            op, cls, site = (colls or {}).get(r, ("", "", ""))
             out.append(
                 heartbeat(
                     r,
@@ -79,10 +84,18 @@ def stuck(
                     phase=phase,
                     in_phase_s=(t - start) / S,
                     bucket=bucket if phase == "allreduce" else -1,
+                    coll_op=op,
+                    coll_class=cls,
+                    coll_site=site,
                 )
             )
         t += every
     return out
+
+
+BROADCAST = ("broadcast", "ddp", "")
+LOSS = ("all_reduce", "user", SITE_LOSS)
+BARRIER = ("barrier", "user", SITE_BARRIER)
 
 
 def busy(ranks: list[int], step: int, start: int, seconds: float, phases=("eval", "idle")):
@@ -205,6 +218,114 @@ def test_hang_then_resume_is_kept_as_a_warning() -> None:
     (f,) = kinds(analyze(msgs))["hang"]
     assert not f.active and f.severity == "warning"
     assert "progress resumed after" in f.message
+    assert f.ranks == [1]
+
+
+# --- hangs in any collective ------------------------------------------------------
+
+
+def test_a_data_stall_while_the_other_waits_in_the_buffer_broadcast_is_a_hang() -> None:
+    """BatchNorm: rank 0 blocks in the next forward's buffer broadcast, not in all-reduce."""
+    msgs = run_steps(steps=6, buffers=True)
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 6), 1: ("data", 6)}, t, 12, colls={0: BROADCAST})
+    msgs.append(stacks(1, t + 3 * S, step=6, phase="data"))
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.severity == "error" and f.ranks == [1] and f.step == 6
+    assert "rank 1 is behind, loading data (waiting for its DataLoader) at step 6" in f.message
+    assert "at /job/train.py:207 in _inject" in f.message
+    assert "rank 0 is waiting in broadcast (DDP buffers) at step 6 for 12.0 s" in f.message
+    ev = f.evidence
+    assert ev["where"]["0"]["collective"] == {"op": "broadcast", "class": "ddp", "site": ""}
+    assert ev["where"]["1"]["phase"] == "data" and "collective" not in ev["where"]["1"]
+    assert ev["stack"]["at"] == "/job/train.py:207 in _inject"
+    assert "DataLoader worker" in f.fix
+
+
+def test_a_rank_between_steps_while_the_other_waits_in_the_loss_all_reduce() -> None:
+    msgs = run_steps(steps=20, loss_allreduce=True)
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 20), 1: ("idle", 20)}, t, 10, colls={0: LOSS})
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [1]
+    assert "rank 1 is behind, between steps (in its own code" in f.message
+    assert f"rank 0 is waiting in all_reduce at {SITE_LOSS} at step 20" in f.message
+    assert f.evidence["groups"][0]["collective"] == f"all_reduce at {SITE_LOSS}"
+    assert "between steps in its own code" in f.fix
+
+
+def test_no_hang_while_the_waiter_is_blocked_less_than_the_limit() -> None:
+    msgs = run_steps(steps=20, buffers=True)
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 20), 1: ("data", 20)}, t, 4, colls={0: BROADCAST})
+    assert "hang" not in kinds(analyze(msgs))
+
+
+def test_a_rank_in_another_collective_than_the_majority_is_behind() -> None:
+    msgs = run_steps(world=3, steps=20, buffers=True)
+    t = end_of(msgs)
+    phases = {0: ("collective", 20), 1: ("collective", 20), 2: ("collective", 20)}
+    colls = {0: BROADCAST, 1: BROADCAST, 2: BARRIER}
+    (f,) = kinds(analyze(msgs + stuck(phases, t, 10, colls=colls)))["hang"]
+    assert f.ranks == [2]
+    assert {g["collective"] for g in f.evidence["groups"]} == {
+        "broadcast (DDP buffers)",
+        f"barrier at {SITE_BARRIER}",
+    }
+
+
+def test_a_stall_at_step_3_after_slow_warm_up_steps_is_called_within_seconds() -> None:
+    """A first step that compiles and a second that rebuilds buckets must not set the
+    limit of the steps after them (10 x their median would be minutes)."""
+    warm = Phases(data=MS, forward=20 * S, backward=10 * S, optimizer=MS, other=0)
+
+    def timing(rank: int, step: int) -> Phases:
+        return warm if step < 2 else Phases()
+
+    msgs = [*run_infos(2), *lockstep(2, 3, timing, buffers=True)]
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 3), 1: ("data", 3)}, t, 7, colls={0: BROADCAST})
+    analysis = analyze(msgs)
+    (f,) = kinds(analysis)["hang"]
+    assert f.ranks == [1] and f.evidence["threshold_s"] == 5.0
+    early = analyze([m for m in msgs if m.t <= t + 4 * S])
+    assert "hang" not in kinds(early)
+
+
+def test_a_stall_during_warm_up_uses_the_shorter_warm_up_step() -> None:
+    warm = Phases(data=MS, forward=2 * S, backward=MS, optimizer=MS, other=0)
+    msgs = [*run_infos(2), *lockstep(2, 2, constant(warm), buffers=True)]
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 2), 1: ("forward", 2)}, t, 25, colls={0: BROADCAST})
+    hang = HangDetector()
+    analysis = feed(Analysis([hang], history=2048), sorted(msgs, key=lambda m: m.t), TICK)
+    limit, why = hang.threshold(analysis.latest)
+    assert limit == pytest.approx(20.0, abs=0.1) and "warm-up" in why
+    (f,) = kinds(analysis)["hang"]
+    assert f.ranks == [1] and "rank 1 is behind, in its forward" in f.message
+
+
+@pytest.mark.parametrize("limit", [2.0, 10.0])
+def test_a_configured_limit_is_kept_from_the_first_steps(limit: float) -> None:
+    """--hang-after: the hang is named once the stall passes it, whatever the history."""
+    msgs = run_steps(steps=3, buffers=True)
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 3), 1: ("data", 3)}, t, limit + 3, colls={0: BROADCAST})
+    stalled = analyze([m for m in msgs if m.t <= t + int((limit + 1.5) * S)], hang_after_s=limit)
+    (f,) = kinds(stalled)["hang"]
+    assert f.ranks == [1] and f.evidence["threshold_s"] == limit
+    before = analyze([m for m in msgs if m.t <= t + int((limit - 0.5) * S)], hang_after_s=limit)
+    assert "hang" not in kinds(before)
+
+
+def test_a_rank_waiting_in_a_collective_for_a_crashed_peer_is_a_rank_exit_not_a_hang() -> None:
+    msgs = run_steps(steps=10, loss_allreduce=True)
+    t = end_of(msgs)
+    msgs.append(end(1, 10, t + MS, "exception", TRACEBACK))
+    msgs += stuck({0: ("collective", 10)}, t, 10, colls={0: LOSS})
+    found = kinds(analyze(msgs))
+    assert "hang" not in found
+    (f,) = found["rank_exit"]
     assert f.ranks == [1]
 
 

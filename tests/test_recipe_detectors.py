@@ -33,6 +33,7 @@ from ddpscope.schema import (
     Collectives,
     DataParallelSeen,
     End,
+    Heartbeat,
     Message,
     RunInfo,
     SaveCall,
@@ -512,6 +513,50 @@ def test_a_rank_blocked_after_the_others_exited_is_named() -> None:
     rank1_gone.sort(key=lambda m: m.t)
     (f,) = findings(stuck_analysis(rank1_gone), "rank0_only_collective")
     assert f.ranks == [0] and "rank 1 ended (exit) at step 4" in f.message
+
+
+def in_collective(msgs: list[Message], rank: int, op: str, cls: str, site: str) -> list[Message]:
+    """The stream with ``rank``'s heartbeats in phase "collective" saying which one."""
+    return [
+        dataclasses.replace(m, coll_op=op, coll_class=cls, coll_site=site)
+        if isinstance(m, Heartbeat) and m.rank == rank and m.phase == "collective"
+        else m
+        for m in msgs
+    ]
+
+
+def test_a_rank_in_the_scripts_barrier_is_named_from_its_heartbeat_alone() -> None:
+    # No stack yet: the heartbeat says which collective the rank is blocked in.
+    stream = stuck_stream(("collective", None), ("allreduce", None))
+    stream = in_collective(stream, 0, "barrier", "user", f"{TRAIN}:61 in train")
+    (f,) = findings(stuck_analysis(stream), "rank0_only_collective")
+    assert f.ranks == [0] and f.evidence["op"] == "barrier"
+    assert "torch.distributed.barrier() at job/train.py:61 (in train)" in f.message
+    assert "rank 1 is waiting in all-reduce (bucket 2) at step 4" in f.message
+
+
+def test_a_rank_in_ddps_buffer_broadcast_after_the_other_exited_is_named() -> None:
+    base = in_collective(
+        stuck_stream(("collective", None), ("allreduce", None)), 0, "broadcast", "ddp", ""
+    )
+    rank1_gone = [m for m in base if not (m.rank == 1 and m.t > last_t(base) - 9 * S)]
+    rank1_gone.append(end(1, 4, last_t(base) - 9 * S))
+    rank1_gone.sort(key=lambda m: m.t)
+    (f,) = findings(stuck_analysis(rank1_gone), "rank0_only_collective")
+    assert f.ranks == [0] and f.evidence["op"] == "ddp_buffers"
+    assert "Rank 0 has been blocked" in f.message and "a forward of the DDP model" in f.message
+
+
+def test_ranks_in_one_buffer_broadcast_or_join_agreement_match() -> None:
+    both = stuck_stream(("collective", None), ("collective", None))
+    for r in (0, 1):
+        both = in_collective(both, r, "broadcast", "ddp", "")
+    assert findings(stuck_analysis(both), "rank0_only_collective") == []
+    # Join's per-forward agreement runs on every rank, like the gradient all-reduce.
+    join = in_collective(
+        stuck_stream(("collective", None), ("allreduce", None)), 0, "all_reduce", "ddp", ""
+    )
+    assert findings(stuck_analysis(join), "rank0_only_collective") == []
 
 
 # --- DataParallel, BatchNorm, process group ---------------------------------------------------

@@ -321,6 +321,8 @@ def _absurd_step(msg: Step) -> str:
             msg.backward_ns,
             msg.optimizer_ns,
             msg.comm_wait_ns,
+            msg.sync_wait_ns,
+            msg.coll_wait_ns,
             msg.other_ns,
             msg.step,
         )

@@ -12,25 +12,36 @@ Hang rule, checked on every tick; all four must hold:
    its current phase for at least T. A rank whose phase keeps changing (an
    evaluation loop alternates ``eval`` and ``idle``; a data loader between
    batches) is doing work of its own and will come back: no hang.
-3. At least one live rank waits in a DDP collective (``allreduce``, ``join``).
-   Without a waiter every rank is in its own code (a long checkpoint, a final
+3. At least one live rank is blocked in a collective (``schema.WAITING_PHASES``):
+   the gradient all-reduce (``allreduce``), any other collective
+   (``collective``: DDP's buffer broadcast at the start of a forward, the
+   script's ``all_reduce`` of a loss, a ``barrier``), or ``join``. Without a
+   waiter every rank is in its own code (a long checkpoint, a final
    evaluation, a slow first batch) and nobody is blocked by anybody.
 4. No rank has exited or gone silent: then the others wait for a rank that is
    gone, and ``rank_exit`` says so instead.
 
 T is ``hang_after_s`` when given (``report --hang-after``). Otherwise it comes
-from the step-time history: max(10 x median step time, 2 x the longest step
-after warm-up), clamped to [5 s, 300 s]; the longest-step term keeps a run that
-checkpoints inside its loop every N steps from being called hung each time.
-Before any step has completed, T is 60 s: first steps compile and warm up, and
-ranks may reach their first all-reduce tens of seconds apart. All of these are
-far below the 10 minutes after which PyTorch's watchdog kills the job.
+from the step-time history after warm-up (the first two steps): max(10 x
+median step time, 2 x the longest step), clamped to [5 s, 300 s]; the
+longest-step term keeps a run that checkpoints inside its loop every N steps
+from being called hung each time. Warm-up steps are left out because a first
+step that compiles for 30 s would otherwise set a limit of minutes for a stall
+at step 3. While only warm-up steps have completed, T is 10 x the shorter of
+them, clamped to [5 s, 60 s]; before any step has completed, T is 60 s: first
+steps compile and warm up, and ranks may reach their first all-reduce tens of
+seconds apart. All of these are far below the 10 minutes after which
+PyTorch's watchdog kills the job.
 
 The rank(s) behind: the lowest step count when counts differ; else the live
-ranks outside a collective while the others wait in one; else ranks that send
-no telemetry (never heard, or ddpscope closed/disabled there); else, when all
-wait in all-reduce at one step, those at a minority bucket. The evidence says
-where every rank is and the behind rank's last Python stack (main thread).
+ranks outside every collective while the others wait in one; else ranks that
+send no telemetry (never heard, or ddpscope closed/disabled there); else, when
+all wait at one step, those at a minority position (gradient bucket, or
+collective and call site). The message says where the behind rank is (loading
+data, in its forward, between steps in its own code, ...) and where the others
+wait ("waiting in broadcast (DDP buffers)", "waiting in all_reduce at
+train.py:57 in main"); the evidence has every rank's position and the behind
+rank's last Python stack (main thread).
 
 rank_exit: a rank stopped, by an End with reason ``exit`` or ``exception``, or
 by vanishing (no End, silent for longer than max(5 s, 5 heartbeats) while
@@ -57,12 +68,10 @@ from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RankView, RunState
-from ddpscope.schema import Heartbeat, Message, Stacks, Step
+from ddpscope.schema import WAITING_PHASES, Heartbeat, Message, Stacks, Step
 
 NS = 1_000_000_000
 
-#: Phases in which a rank is blocked on the other ranks inside DDP.
-WAITING_PHASES = frozenset({"allreduce", "join"})
 #: End reasons that mean the process itself ended.
 EXIT_REASONS = frozenset({"exit", "exception"})
 
@@ -140,6 +149,10 @@ class Where:
     in_phase_s: float
     #: Seconds since anything was heard from the rank.
     heard_s: float
+    #: In phase "collective": its op, class ("ddp" or "user") and call site.
+    coll_op: str = ""
+    coll_class: str = ""
+    coll_site: str = ""
 
     @property
     def waiting(self) -> bool:
@@ -154,16 +167,49 @@ class Where:
             return f"waiting in all-reduce (bucket {self.bucket})"
         if self.phase == "join":
             return "waiting in Join (shadowing all-reduces)"
-        return f"in its own code ('{self.phase}')"
+        if self.phase == "collective":
+            return f"waiting in {self.collective()}"
+        own = _OWN_PHASES.get(self.phase)
+        return own if own is not None else f"in its own code ('{self.phase}')"
+
+    def collective(self) -> str:
+        """``broadcast (DDP buffers)``, ``all_reduce at train.py:57 in main``."""
+        op = self.coll_op or "a collective"
+        if self.coll_class == "ddp":
+            return f"{op} (DDP buffers)" if op == "broadcast" else f"{op} (DDP)"
+        return f"{op} at {self.coll_site}" if self.coll_site else op
+
+    def position(self) -> tuple[str, int, str]:
+        """Where in the collective sequence the rank is: ranks at one position match."""
+        if self.phase == "allreduce":
+            return (self.phase, self.step, str(self.bucket))
+        if self.phase == "collective":
+            return (self.phase, self.step, f"{self.coll_class}:{self.coll_op}:{self.coll_site}")
+        return (self.phase, self.step, "")
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "phase": self.phase,
             "step": self.step,
             "bucket": self.bucket if self.phase == "allreduce" else -1,
             "in_phase_s": round(self.in_phase_s, 1),
             "heard_s_ago": round(self.heard_s, 1),
         }
+        if self.phase == "collective":
+            out["collective"] = {"op": self.coll_op, "class": self.coll_class}
+            out["collective"]["site"] = self.coll_site
+        return out
+
+
+#: What a rank outside every collective is doing, by phase, in words.
+_OWN_PHASES = {
+    "data": "loading data (waiting for its DataLoader)",
+    "forward": "in its forward",
+    "backward": "in its backward",
+    "optimizer": "in optimizer.step()",
+    "idle": "between steps (in its own code, outside forward/backward/optimizer)",
+    "eval": "evaluating (a forward without grad)",
+}
 
 
 def where(view: RankView, now_ns: int, hb_rx_ns: int | None) -> Where | None:
@@ -179,6 +225,9 @@ def where(view: RankView, now_ns: int, hb_rx_ns: int | None) -> Where | None:
         bucket=hb.bucket,
         in_phase_s=aged,
         heard_s=max(0, now_ns - view.last_rx_ns) / NS,
+        coll_op=hb.coll_op,
+        coll_class=hb.coll_class,
+        coll_site=hb.coll_site,
     )
 
 
@@ -218,8 +267,10 @@ def stack_evidence(view: RankView) -> dict[str, Any] | None:
 
 @dataclass
 class _HangRun:
+    #: Durations of steps after warm-up, and the shortest warm-up step.
     durations: deque[int] = field(default_factory=lambda: deque(maxlen=DURATION_SAMPLES))
     longest_ns: int = 0
+    warm_shortest_ns: int = -1
     hb_rx: dict[int, int] = field(default_factory=dict)
     total: int = -1
     progress_ns: int = 0
@@ -251,8 +302,14 @@ class HangDetector:
             assert isinstance(msg, Step)
             st = self._state(run)
             dur = msg.t_end - msg.t_start
+            if msg.step < WARMUP_STEPS:
+                # A first step that compiled for 30 s must not set the pace of the
+                # limit for the steps right after it.
+                if st.warm_shortest_ns < 0 or dur < st.warm_shortest_ns:
+                    st.warm_shortest_ns = dur
+                return
             st.durations.append(dur)
-            if msg.step >= WARMUP_STEPS and dur > st.longest_ns:
+            if dur > st.longest_ns:
                 st.longest_ns = dur
         elif kind is Heartbeat:
             view = run.ranks.get(msg.rank)
@@ -265,7 +322,14 @@ class HangDetector:
             return self.hang_after_s, "set by --hang-after / hang_after_s"
         st = self._state(run)
         if not st.durations:
-            return HANG_COLD_S, "no step completed yet: cold-start limit"
+            if st.warm_shortest_ns < 0:
+                return HANG_COLD_S, "no step completed yet: cold-start limit"
+            shortest = st.warm_shortest_ns / NS
+            value = min(HANG_COLD_S, max(HANG_MIN_S, HANG_MEDIAN_FACTOR * shortest))
+            return value, (
+                f"only warm-up steps so far: 10 x the shorter one ({shortest:.3f} s), clamped "
+                f"to [{HANG_MIN_S:.0f} s, {HANG_COLD_S:.0f} s]"
+            )
         median = statistics.median(st.durations) / NS
         longest = st.longest_ns / NS
         raw = max(HANG_MEDIAN_FACTOR * median, HANG_LONGEST_FACTOR * longest)
@@ -342,11 +406,13 @@ class HangDetector:
             return sorted(outside)
         if dark:
             return sorted(dark)
-        buckets = Counter(w.bucket for w in live)
-        if len(buckets) > 1:
-            (common, n), (_, second) = buckets.most_common(2)
+        # Everyone waits: collectives match by order, so ranks at the position most
+        # ranks are at (a bucket, a collective and its call site) are the ones waiting.
+        positions = Counter(w.position() for w in live)
+        if len(positions) > 1:
+            (common, n), (_, second) = positions.most_common(2)
             if n > second:
-                return sorted(w.rank for w in live if w.bucket != common)
+                return sorted(w.rank for w in live if w.position() != common)
         return sorted(w.rank for w in live)
 
     def _raise(
@@ -393,7 +459,7 @@ class HangDetector:
                 step=step,
                 epoch=_epoch(run, behind),
                 message=message,
-                fix=_hang_fix(run, behind, stacks),
+                fix=_hang_fix(run, behind, stacks, by_rank),
                 evidence=evidence,
                 last_step=step,
             ),
@@ -446,14 +512,23 @@ def _epoch(run: RunState, ranks: list[int]) -> int:
 
 def _groups(live: list[Where]) -> list[dict[str, Any]]:
     """Ranks grouped by where they are: 1,024 positions in a few lines."""
-    groups: dict[tuple[str, int, int], list[int]] = {}
+    groups: dict[tuple[str, int, str], list[Where]] = {}
     for w in live:
-        bucket = w.bucket if w.phase == "allreduce" else -1
-        groups.setdefault((w.phase, w.step, bucket), []).append(w.rank)
-    return [
-        {"phase": p, "step": s, "bucket": b, "ranks": ranks_text(rs), "count": len(rs)}
-        for (p, s, b), rs in sorted(groups.items(), key=lambda kv: kv[1][0])
-    ]
+        groups.setdefault(w.position(), []).append(w)
+    out = []
+    for (phase, step, _), ws in sorted(groups.items(), key=lambda kv: kv[1][0].rank):
+        w = ws[0]
+        g: dict[str, Any] = {
+            "phase": phase,
+            "step": step,
+            "bucket": w.bucket if phase == "allreduce" else -1,
+            "ranks": ranks_text(x.rank for x in ws),
+            "count": len(ws),
+        }
+        if phase == "collective":
+            g["collective"] = w.collective()
+        out.append(g)
+    return out
 
 
 def _hang_message(
@@ -485,12 +560,38 @@ def _hang_message(
         more = f" (+{len(groups) - 1} more positions)" if len(groups) > 1 else ""
         w0 = next(w for w in others if w.phase == g["phase"] and w.step == g["step"])
         verb = "is" if len(ranks) == 1 else "are"
-        tail = f"; {_plural(ranks)} {verb} {w0.doing()} at step {w0.step}{more}"
+        tail = f"; {_plural(ranks)} {verb} {w0.describe()}{more}"
     return f"{head}: {lead}{tail}."
 
 
-def _hang_fix(run: RunState, behind: list[int], stacks: list[dict[str, Any]]) -> str:
+#: What a rank stuck outside every collective is likely doing, by phase.
+_BEHIND_HINTS = {
+    "data": (
+        "Rank {r} is stuck getting its next batch: a DataLoader worker that died or hangs, "
+        "blocking reads from storage or the network, a lock shared with another thread."
+    ),
+    "idle": (
+        "Rank {r} is between steps in its own code (after optimizer.step(), before its next "
+        "forward): logging, checkpointing, evaluation or a sleep on that rank only."
+    ),
+    "forward": (
+        "Rank {r} is inside its forward: a rank-dependent branch, a custom op that blocks, or "
+        "a device that stopped responding."
+    ),
+}
+_BEHIND_HINTS["backward"] = _BEHIND_HINTS["forward"].replace("forward", "backward")
+
+
+def _hang_fix(
+    run: RunState,
+    behind: list[int],
+    stacks: list[dict[str, Any]],
+    by_rank: dict[int, Where] | None = None,
+) -> str:
     parts = []
+    first = by_rank.get(behind[0]) if by_rank and behind else None
+    if first is not None and first.phase in _BEHIND_HINTS:
+        parts.append(_BEHIND_HINTS[first.phase].format(r=first.rank))
     if stacks:
         parts.append(
             f"Look at rank {stacks[0]['rank']}'s stack in the evidence: that is where it is "

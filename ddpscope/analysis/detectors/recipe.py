@@ -72,7 +72,6 @@ from typing import Any
 from ddpscope.analysis.detectors.liveness import (
     EXIT_REASONS,
     NS,
-    WAITING_PHASES,
     Where,
     ranks_text,
     where,
@@ -82,6 +81,7 @@ from ddpscope.analysis.state import RankView, RunState
 from ddpscope.record.reader import RunDir
 from ddpscope.schema import (
     COLLECTIVE_OPS,
+    WAITING_PHASES,
     BatchInfo,
     Collectives,
     DataParallelSeen,
@@ -857,7 +857,7 @@ class CollectiveMismatchDetector:
 
         def at(r: int) -> str:
             op, site, _ = blocked[r]
-            return f"{op_text(op)} at {short_site(site)}"
+            return f"{op_text(op)} at {short_site(site)}" if site else op_text(op)
 
         first = named[0]
         longest = max(blocked[r][2] for r in named)
@@ -926,7 +926,19 @@ def _key(key: OpKey) -> str:
 
 
 def _current_block(view: RankView, w: Where) -> tuple[str, str] | None:
-    """Where the rank is blocked, from a stack taken in its current phase episode."""
+    """Where the rank is blocked: from a stack taken in its current phase episode (it
+    has the script's line even for DDP's buffer broadcast), else from the heartbeat."""
+    hit = _stack_block(view, w)
+    if hit is not None or w.phase != "collective":
+        return hit
+    if w.coll_class == "user" and w.coll_op:
+        return w.coll_op, w.coll_site
+    if w.coll_class == "ddp" and w.coll_op == "broadcast":
+        return DDP_BUFFERS, ""
+    return None  # DDP's other syncs (Join's agreement) run on every rank, like the all-reduce
+
+
+def _stack_block(view: RankView, w: Where) -> tuple[str, str] | None:
     st = view.stacks
     if st is None or st.phase != w.phase or st.step != view.step_count:
         return None

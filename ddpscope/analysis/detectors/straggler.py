@@ -7,12 +7,19 @@ how each rank spends the step.
 
 The measure
 -----------
-Per step and rank, ``own(r) = step_time(r) - comm_wait(r)``: the time rank r
+Per step and rank, ``own(r) = step_time(r) - waits(r)``: the time rank r
 spent on its own work (data, forward, backward, optimizer and everything
-between them, the "other" time), leaving out the time its training thread sat
-blocked on the gradient all-reduce. A waiter's wait lands in ``comm_wait``;
-the straggler's extra time lands in its own phases, whichever they are (a
-``time.sleep`` between backward and ``optimizer.step()`` is "other" time).
+between them, the "other" time), leaving out every moment its training thread
+sat blocked in a collective: the gradient all-reduce (``comm_wait``), DDP's
+own syncs in forward, such as the buffer broadcast every BatchNorm model runs
+(``sync_wait``), and the collectives the script calls, a per-step
+``dist.all_reduce`` of the loss or an epoch's ``barrier`` (``coll_wait``). A
+fast rank waits for the slow one at whichever of these comes first after the
+slow rank's extra work, so its wait lands in one of the three; the
+straggler's extra time lands in its own phases, whichever they are (a
+``time.sleep`` between backward and ``optimizer.step()`` is "other" time). The
+rank side takes those waits out of the phases they interrupted, so a waiter's
+forward is its forward, not its forward plus a broadcast.
 
 This departs from design-notes section 4 (``step - sum_k wait(r,k) -
 data_wait(r)``) in three ways, each forced by real runs:
@@ -30,6 +37,11 @@ data_wait(r)``) in three ways, each forced by real runs:
 - Data loading is the rank's own work: a hot data loader is the most common
   straggler, and the waiters absorb its delay at the all-reduce, not in their
   data phase. Subtracting it would hide exactly that straggler.
+
+Where the others wait for it (evidence and message) is the class of wait that
+grew most on them, median over the window: the gradient all-reduce, DDP's
+syncs (named by the step's collectives: the buffer broadcast) or the script's
+collectives (named by operation and call site).
 
 The statistics
 --------------
@@ -60,11 +72,6 @@ jitter per rank, step and phase, 3% 3x spikes; 200 seeds): +50% compute in one
 phase is named 13 steps after its onset (median; worst 18), x1.5 on every
 phase 13 (worst 20 with 8 ranks, 32 in 1% of 2-rank runs); 400 healthy runs
 of 300 steps on 2 and 8 ranks raise nothing.
-
-Limit: a fast rank that waits inside another collective (DDP's buffer
-broadcast in forward on gloo, a ``dist.all_reduce`` of the loss for logging)
-carries that wait in its own phases, which hides the straggler from this
-measure; only all-reduce waits are told apart.
 """
 
 from __future__ import annotations
@@ -186,9 +193,15 @@ class _Verdict:
 
 
 def own_ns(step: Step, wait_ns: int | None = None) -> int:
-    """Time a rank spent on its own work in a step: the step minus its all-reduce wait."""
+    """Time a rank spent on its own work in a step: the step minus every collective wait.
+
+    ``wait_ns`` stands in for the gradient all-reduce wait when that was not
+    measured (estimated from the buckets); DDP's syncs and the script's
+    collectives are subtracted either way.
+    """
     total = step.t_end - step.t_start
-    wait = step.comm_wait_ns if wait_ns is None else wait_ns
+    wait = (step.comm_wait_ns if wait_ns is None else wait_ns) + step.sync_wait_ns
+    wait += step.coll_wait_ns
     return max(0, total - min(wait, total))
 
 
@@ -410,7 +423,7 @@ class StragglerDetector:
             f"rank {r} is a straggler: its own work takes {_ms(v.own):.1f} ms/step vs "
             f"{_ms(v.ref):.1f} ms on the other ranks ({_times(v.ratio)}), the extra time "
             f"{'mostly in ' + where if where else 'spread over all phases'}; the other ranks "
-            f"wait for it at the all-reduce. Steps take {ev['step_ms']:.1f} ms; "
+            f"wait for it {ev['others_wait_where']}. Steps take {ev['step_ms']:.1f} ms; "
             f"~{ev['what_if_step_ms']:.1f} ms if rank {r} kept pace with the others."
         )
         fix = _FIX[grown[0] if grown else "forward"].format(r=r) + _host_hint(ev)
@@ -467,12 +480,20 @@ def _onset(win: _Window, persist: float) -> int:
     return onset
 
 
+#: Wait classes as the evidence names them: (name, Step field).
+WAITS: tuple[tuple[str, str], ...] = (
+    ("allreduce", "comm_wait_ns"),
+    ("ddp_sync", "sync_wait_ns"),
+    ("collectives", "coll_wait_ns"),
+)
+
+
 def _evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
-    """Phase split, step time, the others' wait and host context over the window."""
+    """Phase split, step time, the others' waits and host context over the window."""
     mine: dict[str, list[int]] = {p: [] for p, _ in PHASES}
     theirs: dict[str, list[float]] = {p: [] for p, _ in PHASES}
+    waits: dict[str, list[float]] = {w: [] for w, _ in WAITS}
     step_ns: list[float] = []
-    others_wait: list[float] = []
     steps = list(steps)
     last = steps[-1] if steps else 0
     for s in steps:
@@ -485,13 +506,20 @@ def _evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
             theirs[p].append(median(getattr(x, attr) for x in others))
         step_ns.append(median(x.t_end - x.t_start for x in row.values()))
         # The bucket rule costs O(ranks x buckets): the window's last steps suffice.
-        waits = bucket_waits(row) if s >= last - 8 else None
-        if waits is not None:
-            others_wait.append(median(w for q, w in waits.items() if q != r))
+        bucket = bucket_waits(row) if s >= last - 8 else None
+        if bucket is not None:
+            waits["allreduce"].append(median(w for q, w in bucket.items() if q != r))
         else:
-            others_wait.append(median(x.comm_wait_ns for x in others))
+            waits["allreduce"].append(median(x.comm_wait_ns for x in others))
+        waits["ddp_sync"].append(median(x.sync_wait_ns for x in others))
+        waits["collectives"].append(median(x.coll_wait_ns for x in others))
     if not step_ns:
-        return {"phases_ms": {}, "grown_phases": [], "step_ms": 0.0}
+        return {
+            "phases_ms": {},
+            "grown_phases": [],
+            "step_ms": 0.0,
+            "others_wait_where": _WAIT_TEXT["allreduce"],
+        }
     phases = {}
     for p, _ in PHASES:
         a, b = median(mine[p]), median(theirs[p])
@@ -502,16 +530,52 @@ def _evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
         (p for p, d in phases.items() if d["delta"] > 0 and d["delta"] >= 0.2 * excess),
         key=lambda p: -phases[p]["delta"],
     )
+    split = {w: median(v) for w, v in waits.items()}
+    # Ties (nothing measured anywhere) go to the all-reduce, the wait every DDP step has.
+    main = max(split, key=lambda w: (split[w], w == "allreduce"))
     step_med = median(step_ns)
     ev: dict[str, Any] = {
         "phases_ms": phases,
         "grown_phases": grown,
         "step_ms": _ms(step_med),
-        "others_wait_ms": _ms(median(others_wait)),
+        "others_wait_ms": _ms(sum(split.values())),
+        "others_wait_split_ms": {w: _ms(v) for w, v in split.items()},
+        "others_wait_in": main,
+        "others_wait_where": _wait_where(run, r, steps[-4:], main),
         "waiting_ranks": sorted(q for q in run.ranks if q != r)[:16],
     }
     ev.update(_host(run, r))
     return ev
+
+
+_WAIT_TEXT = {
+    "allreduce": "at the gradient all-reduce",
+    "ddp_sync": "in DDP's own syncs in forward",
+    "collectives": "in the script's collectives",
+}
+
+
+def _wait_where(run: RunState, r: int, steps: Iterable[int], cls: str) -> str:
+    """Where the others wait, in words: the collective of ``cls`` that held them longest."""
+    if cls == "allreduce":
+        return _WAIT_TEXT[cls]
+    want = "ddp" if cls == "ddp_sync" else "user"
+    held: dict[tuple[str, str], int] = {}
+    for s in steps:
+        for q, x in run.by_step.get(s, {}).items():
+            if q == r:
+                continue
+            for op, c, site, dur in zip(x.c_op, x.c_class, x.c_site, x.c_dur_ns, strict=False):
+                if c == want:
+                    held[(op, site)] = held.get((op, site), 0) + dur
+    if not held:
+        return _WAIT_TEXT[cls]
+    op, site = max(held, key=lambda k: held[k])
+    if want == "ddp":
+        if op == "broadcast":
+            return "in DDP's buffer broadcast at the start of forward"
+        return f"in DDP's {op} in forward"
+    return f"in {op} at {site}" if site else f"in {op}"
 
 
 def _host(run: RunState, r: int) -> dict[str, Any]:
