@@ -75,6 +75,17 @@ def _teardown_abort_only(proc: subprocess.CompletedProcess[str]) -> bool:
     )
 
 
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A gloo process group of one rank in this process, for the module's tests."""
+    import torch.distributed as dist  # here, not at the top: most tests need no torch
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture
 def record_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "rec"

@@ -476,3 +476,17 @@ def record(directory: Any, msgs: Iterable[Message], *, run: str = RUN) -> str:
     for w in writers.values():
         w.close()
     return next(iter(writers.values())).run_dir
+
+
+def split_ns(s: Step) -> int:
+    """A step's phases and waits added up: equal to ``t_end - t_start`` on a whole step."""
+    return (
+        s.data_ns
+        + s.forward_ns
+        + s.backward_ns
+        + s.comm_wait_ns
+        + s.sync_wait_ns
+        + s.coll_wait_ns
+        + s.optimizer_ns
+        + s.other_ns
+    )

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -18,13 +17,7 @@ from ddpscope.hooks import attach as attach_mod
 from ddpscope.record import open_run
 from ddpscope.schema import End, Fingerprint, Step
 
-
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 @pytest.fixture(autouse=True)

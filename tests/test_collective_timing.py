@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from synth import split_ns as _split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -28,12 +29,7 @@ from ddpscope.schema import Step
 HERE = Path(__file__).name
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 @pytest.fixture(autouse=True)
@@ -57,17 +53,20 @@ def _steps(handle: ddpscope.Handle, tmp: Path) -> list[Step]:
     return [m for m in rec.messages[0] if isinstance(m, Step)]
 
 
-def _split(s: Step) -> int:
-    return (
-        s.data_ns
-        + s.forward_ns
-        + s.backward_ns
-        + s.comm_wait_ns
-        + s.sync_wait_ns
-        + s.coll_wait_ns
-        + s.optimizer_ns
-        + s.other_ns
-    )
+def _train(
+    model: DDP,
+    steps: int,
+    after_backward: Callable[[torch.Tensor], object] = lambda loss: None,
+    after_step: Callable[[torch.Tensor], object] = lambda loss: None,
+) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = model(torch.randn(4, 8)).sum()
+        loss.backward()
+        after_backward(loss)
+        opt.step()
+        opt.zero_grad()
+        after_step(loss)
 
 
 def _listed(s: Step) -> list[tuple[str, str, str]]:
@@ -80,11 +79,7 @@ def _listed(s: Step) -> list[tuple[str, str, str]]:
 def test_ddp_buffer_broadcast_is_a_ddp_sync_taken_out_of_forward(fresh_process: Path) -> None:
     model = _bn_model()
     handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(4):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train(model, 4)
     steps = _steps(handle, fresh_process)
     assert len(steps) == 4
     for s in steps:
@@ -102,11 +97,7 @@ def test_a_model_without_buffers_lists_no_collective(fresh_process: Path) -> Non
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
     handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    _train(model, 3)
     for s in _steps(handle, fresh_process):
         assert s.c_op == [] and s.sync_wait_ns == 0 and s.coll_wait_ns == 0
 
@@ -114,21 +105,19 @@ def test_a_model_without_buffers_lists_no_collective(fresh_process: Path) -> Non
 def test_script_collectives_are_user_waits_with_their_call_site(fresh_process: Path) -> None:
     model = _bn_model()
     handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        loss = model(torch.randn(4, 8)).sum()
-        loss.backward()
-        dist.barrier()  # between backward and the optimizer: out of "other"
-        opt.step()
-        opt.zero_grad()
+
+    def log(loss: torch.Tensor) -> None:
         logged = loss.detach().clone()
         dist.all_reduce(logged)  # after the step: the next step's data gap
         dist.all_gather_object([None], {"loss": float(logged)})  # timed once, not its parts
+
+    # a barrier between backward and the optimizer: out of "other"
+    _train(model, 3, after_backward=lambda _: dist.barrier(), after_step=log)
     steps = _steps(handle, fresh_process)
     first, later = steps[0], steps[1:]
     assert _listed(first) == [
         ("broadcast", "ddp", ""),
-        ("barrier", "user", "test_script_collectives_are_user_waits_with_their_call_site"),
+        ("barrier", "user", "<lambda>"),  # the line that called it, in this file
     ]
     for s in later:
         assert [(op, cls) for op, cls, _ in _listed(s)] == [
@@ -169,14 +158,13 @@ def test_an_async_collective_is_timed_when_its_work_is_waited_on(fresh_process: 
 def test_collectives_from_another_thread_are_not_booked_in_the_step(fresh_process: Path) -> None:
     model = _bn_model()
     handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        model(torch.randn(4, 8)).sum().backward()
+
+    def from_a_thread(_: torch.Tensor) -> None:
         side = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
         side.start()
         side.join()
-        opt.step()
-        opt.zero_grad()
+
+    _train(model, 2, after_backward=from_a_thread)
     for s in _steps(handle, fresh_process):
         assert s.c_op == ["broadcast"]
 
@@ -227,16 +215,15 @@ def test_evaluation_forwards_broadcast_without_leaving_the_data_phase_negative(
 ) -> None:
     model = _bn_model()
     handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(3):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+
+    def evaluate(_: torch.Tensor) -> None:
         model.eval()
         with torch.no_grad():
             for _ in range(3):
                 model(torch.randn(4, 8))
         model.train()
+
+    _train(model, 3, after_step=evaluate)
     for s in _steps(handle, fresh_process)[1:]:
         # DDP decides whether to broadcast from the previous forward: the first
         # forward after a switch between training and evaluation does it.

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import DEMO, ROOT, job_env, torchrun
+from synth import split_ns as split
 
 from ddpscope.record import open_run
 from ddpscope.schema import WAITING_PHASES, Step
@@ -67,19 +68,6 @@ def brief(findings: list[dict[str, Any]]) -> str:
 def steps_of(rec: Path) -> dict[int, list[Step]]:
     msgs = open_run(str(rec)).messages
     return {r: [m for m in ms if isinstance(m, Step)] for r, ms in msgs.items()}
-
-
-def split(s: Step) -> int:
-    return (
-        s.data_ns
-        + s.forward_ns
-        + s.backward_ns
-        + s.comm_wait_ns
-        + s.sync_wait_ns
-        + s.coll_wait_ns
-        + s.optimizer_ns
-        + s.other_ns
-    )
 
 
 def median(values: list[float]) -> float:

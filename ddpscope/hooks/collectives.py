@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpscope.hooks import recipe
-from ddpscope.hooks.recipe import site_of, user_frame
+from ddpscope.hooks.recipe import group_arg, site_of, user_frame
 
 log = logging.getLogger("ddpscope")
 
@@ -156,13 +156,7 @@ class CollectiveTimer:
             return orig(*args, **kwargs)
         try:
             cls = "ddp" if caller.f_code.co_filename in _DDP_FILES else "user"
-            if "group" in kwargs:
-                group = kwargs["group"]
-            elif group_at is not None and group_at < len(args):
-                group = args[group_at]
-            else:
-                group = None
-            group_text = self.group_key(group)
+            group_text = self.group_key(group_arg(args, kwargs, group_at))
             nbytes = tensor_bytes(args, kwargs)
             site = "" if cls == "ddp" else self._site(caller)
             if kwargs.get("async_op"):

@@ -432,13 +432,7 @@ class RecipeProbe:
             code = frame.f_code
             if _is_internal(code.co_filename):
                 return  # torch calling its own collectives (Join, object collectives)
-            if "group" in kwargs:
-                group = kwargs["group"]
-            elif group_at is not None and group_at < len(args):
-                group = args[group_at]
-            else:
-                group = None
-            self.count(count_key(op, self.group_key(group), frame))
+            self.count(count_key(op, self.group_key(group_arg(args, kwargs, group_at)), frame))
         except Exception as exc:
             self.disable(exc)
 
@@ -568,6 +562,15 @@ _lock = threading.Lock()
 _active: RecipeProbe | None = None
 #: (owner, attribute, original, wrapper) for every patch in place.
 _patches: list[tuple[Any, str, Any, Any]] = []
+
+
+def group_arg(args: tuple[Any, ...], kwargs: dict[str, Any], group_at: int | None) -> Any:
+    """The process group a collective was called with (None: the default group)."""
+    if "group" in kwargs:
+        return kwargs["group"]
+    if group_at is not None and group_at < len(args):
+        return args[group_at]
+    return None
 
 
 def _group_index(fn: Any) -> int | None:
@@ -702,6 +705,7 @@ __all__ = [
     "cuda_inventory",
     "device_fields",
     "expected_device",
+    "group_arg",
     "patched",
     "run_info_fields",
     "set_timing",
