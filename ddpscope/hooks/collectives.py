@@ -133,12 +133,13 @@ class CollectiveTimer:
         return site
 
     def _active(self) -> bool:
+        # is_compiling first: under dynamo everything after it would be traced.
         return (
-            self.enabled
+            not torch.compiler.is_compiling()
+            and self.enabled
             and not self.depth
             and threading.get_ident() == self.ident
             and os.getpid() == self.pid  # a forked DataLoader worker: not ours
-            and not torch.compiler.is_compiling()
         )
 
     # --- torch.distributed functions -------------------------------------------
