@@ -1411,4 +1411,4 @@ class UnevenInputsDetector:
         )
         # Join turns a would-be hang into handled imbalance. The book only ever raises a
         # severity, so lower it here.
-        finding.severity = severity
+        book.set_severity(finding, severity)
