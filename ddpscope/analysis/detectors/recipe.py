@@ -954,10 +954,14 @@ def _stack_block(view: RankView, w: Where) -> tuple[str, str] | None:
 
 
 def _join_in_use(run: RunState) -> bool:
-    return any(
-        v.heartbeat is not None and (v.heartbeat.join_shadow > 0 or v.heartbeat.phase == "join")
-        for v in run.ranks.values()
-    )
+    for v in run.ranks.values():
+        hb = v.heartbeat
+        if hb is not None and (hb.join_shadow > 0 or hb.phase == "join"):
+            return True
+        last = v.last_step
+        if last is not None and last.join:
+            return True  # the rank side saw the forwards run inside Join
+    return False
 
 
 def _extra_sites(
