@@ -196,8 +196,11 @@ class Where:
             "heard_s_ago": round(self.heard_s, 1),
         }
         if self.phase == "collective":
-            out["collective"] = {"op": self.coll_op, "class": self.coll_class}
-            out["collective"]["site"] = self.coll_site
+            out["collective"] = {
+                "op": self.coll_op,
+                "class": self.coll_class,
+                "site": self.coll_site,
+            }
         return out
 
 
