@@ -295,3 +295,13 @@ def test_a_rank_left_in_the_loss_all_reduce_by_a_crashed_peer_points_to_the_cras
     assert c.ranks == [0, 1] and c.severity == "info" and c.cause == ("rank_exit", "run")
     assert "Caused by rank_exit: rank 2 stopped" in c.message
     assert c.fix.startswith("Fix the first failure")
+
+
+def test_undoing_a_link_keeps_what_the_detector_wrote_in_place_since() -> None:
+    book = FindingBook()
+    book.raise_or_update("1", finding("straggler", severity="warning", ranks=[1]))
+    h = book.raise_or_update("run", finding("hang", severity="warning", ranks=[1]))
+    book.explain("hang", "run", ("straggler", "1"), "Caused by the straggler.", fix="F")
+    h.message += " Then a rank ended."  # as HangDetector does when the episode ends
+    book.unexplain("hang", "run")
+    assert h.message == "hang happened. Then a rank ended." and h.fix == "fix the hang"

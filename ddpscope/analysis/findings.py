@@ -191,8 +191,12 @@ class FindingBook:
             return False
 
         def restore() -> None:
-            f.severity, f.message, f.fix = link.own_severity, link.own_message, link.own_fix
-            f.cause, f.own_severity = None, ""
+            # A detector may have edited the shown text in place since (a suffix on the
+            # message): take the note out of what is there rather than go back in time.
+            note = f" {link.note}" if link.note else ""
+            f.message = f.message.replace(note, "", 1) if note else f.message
+            f.fix = link.own_fix if not link.fix or f.fix == link.fix else f.fix
+            f.severity, f.cause, f.own_severity = link.own_severity, None, ""
 
         return self._changed(f, restore)
 
