@@ -106,14 +106,16 @@ def test_sampler_seed_per_rank(tmp_path: Path, endpoint: str) -> None:
 
 def test_uneven_inputs_under_join(tmp_path: Path, endpoint: str) -> None:
     # Disjoint manual shards, rank 0's half the size: 2 steps per epoch against rank
-    # 1's 4. The demo wraps the loop in Join, so it is a warning and says so.
+    # 1's 4. The demo wraps the loop in Join, which handles it: info, and it says so.
     analysis, recording = run_demo(tmp_path, endpoint, "--uneven")
-    f = one(analysis, "uneven_inputs")
-    assert f.ranks == [0] and f.severity == "warning"
+    run = analysis.latest
+    assert run is not None
+    (f,) = [g for g in analysis.book(run) if g.kind == "uneven_inputs"]
+    assert f.ranks == [0] and f.severity == "info"
     assert f.evidence["samples_per_epoch"] == {"0": 64, "1": 128}
     assert f.evidence["steps_in_pass"] == {"0": 2, "1": 4}
-    assert f.evidence["join_shadow"]["0"] > 0 and "Join is in use" in f.message
-    assert {g.kind for g in loud(analysis)} == {"uneven_inputs"}
+    assert f.evidence["join_shadow"]["0"] > 0 and "Join is handling them" in f.message
+    assert loud(analysis) == []
     # Predicted from len(sampler) once both ranks reported their first step.
     assert seen_at(recording, "uneven_inputs") == (1, "Step")
 

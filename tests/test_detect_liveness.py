@@ -565,6 +565,7 @@ def test_a_later_different_error_is_a_consequence() -> None:
     msgs.append(end(0, 10, t + 9 * MS, "exception", "RuntimeError: Connection closed by peer"))
     (f,) = kinds(analyze(msgs))["rank_exit"]
     assert f.ranks == [1] and "rank 0 then failed too, a consequence" in f.message
+    assert f.evidence["others"]["0"]["consequence_of"] == 1  # points to the first failure
 
 
 def test_no_exit_finding_when_rank_0_saves_after_the_others_ended() -> None:

@@ -115,6 +115,8 @@ class Sim:
         self.gid = [0] * world
         self.pass_ids: dict[tuple[int, int], int] = {}
         self.last_pass = [-1] * world
+        #: Steps say their forwards ran inside Join (Step.join).
+        self.join = False
 
     def _t(self) -> int:
         self.t += 1
@@ -185,6 +187,7 @@ class Sim:
                     optimizer_steps=1,
                     epoch=epoch,
                     loader_pass=self.last_pass[rank] if tag is None else tag,
+                    join=self.join,
                 )
             )
             self.step[rank] += 1
@@ -683,13 +686,51 @@ def test_uneven_is_predicted_at_the_first_step_and_confirmed_at_the_epoch_bounda
     assert "Join" in f.fix
 
 
-def test_join_makes_it_a_warning() -> None:
+def test_join_shadowing_makes_it_info() -> None:
     sim = Sim(WORLD)
     sim.train([uneven_plans({0: 64, 1: 128})] * 2, B)
     sim.heartbeat(0, phase="join", join_shadow=12)
-    f = only(analyse(sim.msgs)[0], "uneven_inputs")
-    assert f.severity == "warning" and f.evidence["join_shadow"] == {"0": 12}
+    analysis = analyse(sim.msgs)[0]
+    (f,) = of(analysis, "uneven_inputs")
+    assert f.severity == "info" and f.evidence["join_shadow"] == {"0": 12}
+    assert f.evidence["confirmed"] and f.evidence["join"] is True
+    assert "Join is handling them (rank 0 shadowed 12 all-reduces)" in f.message
     assert "does not hang" in f.message
+    assert [g for g in findings(analysis) if g.severity != "info"] == []
+
+
+def test_steps_run_under_join_make_it_info_from_the_first_step() -> None:
+    # The rank side flags steps whose forwards ran inside Join: no warning ever, not
+    # even at the prediction, before any rank ran out and shadowed an all-reduce.
+    sim = Sim(WORLD)
+    sim.join = True
+    sim.train([uneven_plans({0: 64, 1: 128})] * 2, B)
+    analysis, at = analyse(sim.msgs, until=raised("uneven_inputs"))
+    assert isinstance(at, Step) and at.step == 0
+    assert of(analysis, "uneven_inputs")[0].severity == "info"
+    (f,) = of(analyse(sim.msgs)[0], "uneven_inputs")
+    assert f.severity == "info" and f.evidence["confirmed"]
+    assert "the steps of ranks 0, 1 ran inside Join" in f.message
+
+
+def test_without_join_the_same_run_is_an_error() -> None:
+    sim = Sim(WORLD)
+    sim.train([uneven_plans({0: 64, 1: 128})] * 2, B)
+    (f,) = of(analyse(sim.msgs)[0], "uneven_inputs")
+    assert f.severity == "error" and "join" not in f.evidence
+    assert "Join is handling" not in f.message
+
+
+def test_a_rank_that_crashed_mid_epoch_is_not_uneven_inputs() -> None:
+    # Even shards; rank 1 raises after two steps while rank 0 got further. Its pass
+    # ended early because it crashed, which is rank_exit's finding, not this one's.
+    sim = Sim(WORLD)
+    sim.epoch({r: dist_plan(N, WORLD, r) for r in range(WORLD)}, B, stall={1: 2})
+    sim.msgs.append(End(run=RUN, rank=1, t=sim._t(), reason="exception", step=2, error="x"))
+    assert of(analyse(sim.msgs)[0], "uneven_inputs") == []
+    # The same stop as a normal exit is what uneven inputs look like.
+    sim.msgs[-1] = End(run=RUN, rank=1, t=sim.t, reason="exit", step=2)
+    assert of(analyse(sim.msgs)[0], "uneven_inputs") != []
 
 
 def test_a_small_difference_is_confirmed_only_by_step_counts() -> None:

@@ -396,3 +396,15 @@ def test_a_straggler_under_gradient_accumulation_is_named() -> None:
     found = findings(analyse(3, 80, timing, buffers=True, micro_batches=4))
     assert [f.ranks for f in found] == [[2]]
     assert found[0].evidence["grown_phases"][0] == "forward"
+
+
+def test_bucket_fallback_still_leaves_out_the_broadcast_wait() -> None:
+    # Gradient all-reduce wait unmeasured (an older rank side, or a clock that could not
+    # time it): buckets stand in for it, and the broadcast wait is still left out.
+    timing = straggler(constant(BASE), 1, start=ONSET, extra_ns={"data": 60 * MS})
+    msgs = lockstep(2, 80, timing, buffers=True)
+    blind = [dataclasses.replace(m, comm_wait_ns=0) if isinstance(m, Step) else m for m in msgs]
+    found = findings(feed(Analysis(detectors=[StragglerDetector()]), [*run_infos(2), *blind]))
+    assert [f.ranks for f in found] == [[1]]
+    assert found[0].evidence["own_ms"] == pytest.approx(160, abs=1.5)
+    assert found[0].evidence["others_wait_in"] == "ddp_sync"

@@ -276,11 +276,15 @@ BAR = ("barrier", f"{TRAIN}:140 in save")
 
 
 def counted(
-    world: int, n_steps: int, snaps: list[Collectives], tail: Sequence[Message] = ()
+    world: int,
+    n_steps: int,
+    snaps: list[Collectives],
+    tail: Sequence[Message] = (),
+    **kw: Any,
 ) -> Analysis:
     """Lockstep steps with each snapshot placed where a rank sends it: right after it
     closed its ``step``-th step, before the next one."""
-    base: list[Message] = [*run_infos(world), *steps(world, n_steps)]
+    base: list[Message] = [*run_infos(world), *steps(world, n_steps, **kw)]
     closed = {(m.rank, m.step + 1): m.t for m in base if isinstance(m, Step)}
     placed = [dataclasses.replace(s, t=closed[(s.rank, s.step)] + 1) for s in snaps]
     msgs = sorted([*base, *placed], key=lambda m: m.t)
@@ -373,6 +377,24 @@ def test_buffer_broadcast_totals_match_when_an_evaluation_forward_replaces_a_tra
         snap(1, 8, 0, {train: 8}),
     ]
     assert findings(counted(2, 10, snaps), "rank0_only_collective") == []
+
+
+@pytest.mark.parametrize("join", [False, True])
+def test_buffer_broadcast_counts_are_not_compared_when_the_steps_ran_under_join(
+    join: bool,
+) -> None:
+    # Under Join the ranks' buffer broadcasts need not pair up one to one (a joined rank
+    # shadows them outside any forward); the steps' own Join flag says so before any
+    # rank has run out and shadowed an all-reduce.
+    train = ("ddp_buffers", "(training forwards)")
+    snaps = [
+        snap(0, 2, 0, {train: 2}),
+        snap(1, 2, 0, {train: 3}),
+        snap(0, 4, 0, {train: 4}),
+        snap(1, 4, 0, {train: 6}),
+    ]
+    found = findings(counted(2, 6, snaps, join=join), "rank0_only_collective")
+    assert (found == []) is join
 
 
 def test_a_rank_that_joined_early_is_not_compared_after_its_last_step() -> None:

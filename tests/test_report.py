@@ -201,7 +201,10 @@ def test_json_has_the_documented_fields(tmp_path: Path, capsys: pytest.CaptureFi
         "fix",
         "active",
         "updates",
+        "key",
+        "cause",
     }
+    assert f["key"] == "run" and f["cause"] is None  # a crash stands on its own
     assert doc["problems"] == [] and doc["other_runs"] == []
 
 

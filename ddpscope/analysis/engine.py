@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
+from ddpscope.analysis.causes import link_causes
 from ddpscope.analysis.findings import FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import Message
@@ -89,7 +90,17 @@ class Analysis:
                     det.observe(run, msg, book)
                 except Exception as exc:  # one broken detector must not blind the others
                     self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
+            if book.version != book.linked_version:
+                self._link(run, book)
         return run
+
+    def _link(self, run: RunState, book: FindingBook) -> None:
+        """Consequences point to their causes (analysis/causes.py); only after a change."""
+        try:
+            link_causes(run, book)
+        except Exception as exc:
+            book.linked_version = book.version  # retried at the next change, not every message
+            self.detector_errors["causes"] = f"{type(exc).__name__}: {exc}"
 
     def _drop_stalest_run(self) -> None:
         newest = self._order[-1]
@@ -117,6 +128,8 @@ class Analysis:
                     det.tick(run, book)
                 except Exception as exc:
                     self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
+            if book.version != book.linked_version:
+                self._link(run, book)
 
 
 def _forget(det: Detector, run_id: str) -> None:

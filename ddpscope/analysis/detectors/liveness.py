@@ -196,8 +196,11 @@ class Where:
             "heard_s_ago": round(self.heard_s, 1),
         }
         if self.phase == "collective":
-            out["collective"] = {"op": self.coll_op, "class": self.coll_class}
-            out["collective"]["site"] = self.coll_site
+            out["collective"] = {
+                "op": self.coll_op,
+                "class": self.coll_class,
+                "site": self.coll_site,
+            }
         return out
 
 
@@ -472,7 +475,7 @@ class HangDetector:
             return
         # It came back by itself: a long wait, not a hang. Still worth knowing (every
         # other rank idled that long), but not at the level of a job that never ends.
-        f.severity = "warning"
+        book.set_severity(f, "warning")
         f.message = f.message.rstrip(".") + f"; progress resumed after {stall_s:.1f} s."
         f.evidence["stalled_s"] = round(stall_s, 1)
         f.evidence["resolved"] = "progress resumed"
@@ -836,7 +839,7 @@ class RankExitDetector:
             book.version += 1
             return
         # Not an exit after all: keep the episode on record, at a lower level.
-        f.severity = "warning"
+        book.set_severity(f, "warning")
         f.message = (
             f"{_plural(back)} went silent for a while and then spoke again (its publisher "
             "thread was starved: a long call holding the GIL, swapping, a stopped process)."
@@ -859,6 +862,12 @@ class RankExitDetector:
             "stopped": {str(s.rank): _stop_json(run, s) for s in subjects},
             "others": _others_json(run, st, {s.rank for s in subjects}, stops, self.stream_over),
         }
+        if went_on:
+            # A rank that failed after the first stop failed because its peer was gone.
+            for q, entry in evidence["others"].items():
+                later = stops.get(int(q))
+                if later is not None and later.how == "exception" and later.at_ns > first.at_ns:
+                    entry["consequence_of"] = first.rank
         severity = "error" if any(s.certain for s in subjects) else "warning"
         finding = book.raise_or_update(
             "run",
@@ -876,7 +885,7 @@ class RankExitDetector:
         )
         # The subjects may have changed (an inference replaced by what the end of the
         # stream showed): the level follows them, rather than the highest ever seen.
-        finding.severity = severity
+        book.set_severity(finding, severity)
 
 
 _EXC_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b")

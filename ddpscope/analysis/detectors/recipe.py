@@ -21,9 +21,11 @@ reports:
     A collective issued on some ranks and not others. Two ways to see it:
     (1) stacks: the ranks' current Python stacks and phases account for every
     rank, each for at least ``BLOCKED_MIN_S``: ended, waiting in DDP's
-    gradient all-reduce, or blocked in a collective the script called (an
-    explicit ``torch.distributed`` call, or a DDP forward broadcasting
-    buffers), and the blocked ones are not all in the same operation. The
+    gradient all-reduce (or Join's agreement), or blocked in a collective the
+    script called (an explicit ``torch.distributed`` call, or a DDP forward
+    broadcasting buffers; told by the stack, or by the heartbeat's ``coll_op``,
+    ``coll_class`` and ``coll_site`` in phase "collective" before any stack
+    came), and the blocked ones are not all in the same operation. The
     finding names the pattern, the call sites and what the others do, which is
     what a ``hang`` or a ``rank_exit`` leaves unsaid. (2) counts: the ranks'
     cumulative calls per operation and group, compared at the snapshot steps
@@ -795,9 +797,11 @@ class CollectiveMismatchDetector:
         """Ranks blocked in collectives that cannot match, from their current stacks.
 
         Every member of the default group must be accounted for: ended, waiting
-        in DDP's gradient all-reduce, or blocked in a collective the script
-        called, each for at least ``blocked_min_s``. A rank running its own code
-        may still get to the collective (a slow checkpoint before a barrier):
+        in DDP's gradient all-reduce or Join's agreement, or blocked in a
+        collective the script called or in DDP's buffer broadcast (from its
+        stack, else from its heartbeat), each for at least ``blocked_min_s``.
+        A rank running its own code may still get to the collective (a slow
+        checkpoint before a barrier):
         then nothing is said. Ranks blocked in the same operation match each
         other. DDP's gradient all-reduce runs on every rank at every step, so
         when some ranks wait there (or have ended), the ranks blocked in the
@@ -954,10 +958,14 @@ def _stack_block(view: RankView, w: Where) -> tuple[str, str] | None:
 
 
 def _join_in_use(run: RunState) -> bool:
-    return any(
-        v.heartbeat is not None and (v.heartbeat.join_shadow > 0 or v.heartbeat.phase == "join")
-        for v in run.ranks.values()
-    )
+    for v in run.ranks.values():
+        hb = v.heartbeat
+        if hb is not None and (hb.join_shadow > 0 or hb.phase == "join"):
+            return True
+        last = v.last_step
+        if last is not None and last.join:
+            return True  # the rank side saw the forwards run inside Join
+    return False
 
 
 def _extra_sites(

@@ -66,9 +66,11 @@ sufficient test ``e_max - e >= U_max`` is used. Only for stock batch samplers:
 bucketing ones make steps unrelated to samples. Confirmed (error) when a rank
 moves on from a pass (its next trained pass, or its exit) after fewer steps
 than another rank has already run in the corresponding pass, or exits while
-another still has more than a step of data to go. Ranks that entered ``Join``
-(heartbeat ``join_shadow`` > 0, or phase "join") are handled: the finding stays
-a warning and says so.
+another still has more than a step of data to go; only a normal exit counts
+(a rank that raised or was stopped ends its pass early for another reason,
+which ``rank_exit`` reports). Under ``Join`` (steps with ``Step.join``, or a
+heartbeat with ``join_shadow`` > 0 or phase "join") the imbalance is handled:
+the finding is info, saying that Join is handling it.
 """
 
 from __future__ import annotations
@@ -1119,6 +1121,8 @@ class _UnevenRun:
     issues: dict[int, _UnevenIssue] = field(default_factory=dict)
     #: rank -> all-reduces it shadowed under Join.
     joined: dict[int, int] = field(default_factory=dict)
+    #: Ranks whose steps ran inside a Join context (Step.join).
+    join_steps: set[int] = field(default_factory=set)
 
 
 class UnevenInputsDetector:
@@ -1134,8 +1138,15 @@ class UnevenInputsDetector:
         if not isinstance(msg, _PASS_MESSAGES):
             return
         st = self._state(run)
+        if type(msg) is Step and msg.join and msg.rank not in st.join_steps:
+            self._joined_step(st, msg.rank, book)
         ledger = st.ledger
-        for ev in ledger.update(msg):
+        events = ledger.update(msg)
+        if type(msg) is End and msg.reason != "exit":
+            # A rank that crashed or was stopped ends its pass early for a reason that is
+            # not its data: rank_exit reports it; counting it here would call it uneven.
+            return
+        for ev in events:
             rec = ev.rec
             if ev.kind == "rank_end":
                 self._exited(st, ledger, ev.rank, book)
@@ -1343,6 +1354,11 @@ class UnevenInputsDetector:
             )
             self._publish(st, issue, book)
 
+    def _joined_step(self, st: _UnevenRun, rank: int, book: FindingBook) -> None:
+        st.join_steps.add(rank)
+        for issue in st.issues.values():
+            self._publish(st, issue, book)
+
     def _heartbeat(self, run: RunState, msg: Heartbeat, book: FindingBook) -> None:
         if msg.join_shadow <= 0 and msg.phase != "join":
             return
@@ -1365,15 +1381,23 @@ class UnevenInputsDetector:
     @staticmethod
     def _publish(st: _UnevenRun, issue: _UnevenIssue, book: FindingBook) -> None:
         joined = dict(sorted(st.joined.items()))
-        severity = "error" if issue.confirmed and not joined else "warning"
+        under_join = bool(joined or st.join_steps)
+        # Join is the documented way to train on uneven inputs: then the imbalance is
+        # handled, worth knowing (the ranks that run out idle), not a fault.
+        severity = "info" if under_join else ("error" if issue.confirmed else "warning")
         parts = [p for p in (issue.predicted, issue.confirmed) if p]
         message = f"Loader {issue.loader} has uneven inputs: " + "; ".join(parts) + "."
-        if joined:
+        if under_join:
             shadowed = sum(joined.values())
+            if joined:
+                how = f"{_plural(joined)}" + (
+                    f" shadowed {shadowed} all-reduces" if shadowed else " joined"
+                )
+            else:
+                how = f"the steps of {_plural(st.join_steps)} ran inside Join"
             message += (
-                f" Join is in use ({_plural(joined)}"
-                + (f" shadowed {shadowed} all-reduces" if shadowed else " joined")
-                + "), so the run does not hang."
+                f" Join is handling them ({how}): the ranks that run out shadow the others' "
+                "collectives, so the run does not hang."
             )
         else:
             message += (
@@ -1392,6 +1416,8 @@ class UnevenInputsDetector:
             evidence["steps_in_pass"] = {str(r): n for r, n in issue.pass_steps.items()}
         if joined:
             evidence["join_shadow"] = {str(r): n for r, n in joined.items()}
+        if under_join:
+            evidence["join"] = True
         signature = (severity, tuple(issue.short), message, tuple(issue.pass_steps.items()))
         if signature == issue.signature:
             return
@@ -1411,4 +1437,4 @@ class UnevenInputsDetector:
         )
         # Join turns a would-be hang into handled imbalance. The book only ever raises a
         # severity, so lower it here.
-        finding.severity = severity
+        book.set_severity(finding, severity)

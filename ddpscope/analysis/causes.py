@@ -1,0 +1,188 @@
+"""Findings that explain each other: which finding is the consequence of which.
+
+One fault often trips several detectors. A rank with more batches than the
+others (``uneven_inputs``) runs an extra forward at the end, whose buffer
+broadcast nobody answers, which is exactly what ``rank0_only_collective``
+looks for; the rank with fewer batches exits first, which ``rank_exit``
+reports. Shown side by side as errors, they send the user to fix code they do
+not have. Each rule here recognises one such pattern from the findings alone
+and links the consequence to its cause (:meth:`FindingBook.explain`): the
+consequence stays in the book, updated by its own detector, but is shown as
+info with a note naming the cause, and the cause's fix.
+
+The rules:
+
+- ``uneven_inputs`` explains a ``rank0_only_collective`` of the ranks with more
+  batches when the unanswered collective is a DDP forward's buffer broadcast
+  (the extra forward), or when every rank that did not issue it is a rank that
+  ran out of batches; and a ``rank_exit`` whose ranks all exited normally and
+  are the ones that ran out (confirmed uneven inputs).
+- ``rank_exit`` of a rank that raised or was killed explains a
+  ``rank0_only_collective`` of ranks blocked in a collective whose missing
+  partners are exactly the stopped ranks: they wait for a rank that is gone.
+- ``straggler`` explains a ``hang`` episode that resumed by itself, when the
+  rank behind in it is that straggler: the others waited for it, once longer.
+
+Rules run when the book changed (its version moved), after the detectors,
+from :class:`ddpscope.analysis.engine.Analysis`. A link whose rule no longer
+holds is undone, and the finding stands on its own again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.state import RunState
+
+
+class Want(NamedTuple):
+    """A link a rule asks for."""
+
+    cause: tuple[str, str]
+    note: str
+    severity: str = "info"
+    fix: str = ""
+
+
+Key = tuple[str, str]
+Rule = Callable[[RunState, FindingBook], dict[Key, Want]]
+
+
+def _plural(ranks: set[int] | list[int]) -> str:
+    items = sorted(ranks)
+    if len(items) == 1:
+        return f"rank {items[0]}"
+    return "ranks " + ", ".join(str(r) for r in items)
+
+
+def _ranks_of(evidence_map: object) -> set[int]:
+    """Ranks named by the keys of an evidence map ({"0": ..., "2": ...})."""
+    if not isinstance(evidence_map, dict):
+        return set()
+    out = set()
+    for k in evidence_map:
+        try:
+            out.add(int(k))
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
+    # Imported here: the detectors package imports the engine, which imports this module.
+    from ddpscope.analysis.detectors.recipe import DDP_BUFFERS
+
+    out: dict[Key, Want] = {}
+    for u in book.of_kind("uneven_inputs"):
+        short = set(u.ranks)
+        if not short:
+            continue
+        cause = (u.kind, u.key)
+        loader = u.evidence.get("loader", "?")
+        fix = f"Fix the cause, the uneven inputs: {u.fix}"
+        for c in book.of_kind("rank0_only_collective"):
+            named = set(c.ranks)
+            if not named or named & short or (c.kind, c.key) in out:
+                continue
+            extra_forward = c.evidence.get("op") == DDP_BUFFERS
+            missing = _ranks_of(c.evidence.get("others"))
+            if not extra_forward and not (missing and missing <= short):
+                continue
+            what = (
+                "extra forward broadcasts DDP's buffers"
+                if extra_forward
+                else "collective comes in a step"
+            )
+            out[(c.kind, c.key)] = Want(
+                cause,
+                f"Caused by uneven_inputs (loader {loader}): {_plural(short)} ran out of batches "
+                f"first, so {_plural(named)}'s {what} that the others never run; it is not a "
+                "collective issued on some ranks by the script.",
+                fix=fix,
+            )
+        r = book.get("rank_exit", "run")
+        if r is None or not u.evidence.get("confirmed") or not r.ranks:
+            continue
+        stopped = r.evidence.get("stopped")
+        if (
+            set(r.ranks) <= short
+            and isinstance(stopped, dict)
+            and stopped
+            and all(isinstance(s, dict) and s.get("how") == "exit" for s in stopped.values())
+        ):
+            out.setdefault(
+                (r.kind, r.key),
+                Want(
+                    cause,
+                    f"Caused by uneven_inputs (loader {loader}): {_plural(set(r.ranks))} ran out "
+                    "of batches and finished while the others still had data.",
+                    fix=fix,
+                ),
+            )
+    return out
+
+
+def crash_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
+    r = book.get("rank_exit", "run")
+    if r is None or not r.active:
+        return {}
+    stopped = r.evidence.get("stopped")
+    if not isinstance(stopped, dict):
+        return {}
+    gone = {
+        int(q)
+        for q, s in stopped.items()
+        if isinstance(s, dict) and s.get("how") in ("exception", "vanished") and q.isdigit()
+    }
+    if not gone:
+        return {}
+    out: dict[Key, Want] = {}
+    for c in book.of_kind("rank0_only_collective"):
+        missing = _ranks_of(c.evidence.get("others"))
+        named = set(c.ranks)
+        if missing and missing <= gone and named and not named & gone:
+            out[(c.kind, c.key)] = Want(
+                (r.kind, r.key),
+                f"Caused by rank_exit: {_plural(missing)} stopped (see rank_exit), so "
+                f"{_plural(named)} wait{'s' if len(named) == 1 else ''} in a collective for a "
+                "rank that is gone.",
+                fix=f"Fix the first failure: {r.fix}",
+            )
+    return out
+
+
+def straggler_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
+    h = book.get("hang", "run")
+    if h is None or h.active or h.evidence.get("resolved") != "progress resumed":
+        return {}
+    if len(h.ranks) != 1:
+        return {}
+    s: Finding | None = book.get("straggler", str(h.ranks[0]))
+    if s is None:
+        return {}
+    return {
+        (h.kind, h.key): Want(
+            (s.kind, s.key),
+            f"Caused by the straggler: rank {h.ranks[0]}, behind in this stall, is the "
+            "persistently slow rank (see straggler); the others waited for it, once longer.",
+        )
+    }
+
+
+#: In order: the first rule that explains a finding gives its cause.
+RULES: tuple[Rule, ...] = (uneven_inputs_rule, crash_rule, straggler_rule)
+
+
+def link_causes(run: RunState, book: FindingBook, rules: tuple[Rule, ...] = RULES) -> None:
+    """Bring the book's consequence links in line with what the rules find now."""
+    want: dict[Key, Want] = {}
+    for rule in rules:
+        for found, w in rule(run, book).items():
+            want.setdefault(found, w)
+    for gone in set(book.links()) - set(want):
+        book.unexplain(*gone)
+    for (kind, key), w in want.items():
+        book.explain(kind, key, w.cause, w.note, severity=w.severity, fix=w.fix)
+    book.linked_version = book.version

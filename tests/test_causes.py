@@ -1,0 +1,307 @@
+"""Findings that explain each other: a consequence points to its cause and stands below it.
+
+First the book's mechanism (FindingBook.explain keeps a link true across a
+detector's updates), then each rule of analysis/causes.py on hand-made
+findings, then whole streams through the detectors: uneven inputs without Join
+(the longer rank's extra forward, the shorter rank's exit) and a crash that
+leaves a rank blocked in the script's all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from synth import RUN, SITE_LOSS, constant, feed, findings, heartbeat, lockstep, run_infos
+from test_detect_sampling import WORLD, B, Sim, uneven_plans
+
+from ddpscope.analysis.causes import link_causes
+from ddpscope.analysis.detectors.liveness import HangDetector, RankExitDetector
+from ddpscope.analysis.detectors.recipe import CollectiveMismatchDetector
+from ddpscope.analysis.detectors.sampling import UnevenInputsDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.state import RunState
+from ddpscope.schema import End, Message
+
+S = 1_000_000_000
+
+
+def finding(
+    kind: str, severity: str = "error", ranks: list[int] | None = None, **kw: Any
+) -> Finding:
+    values: dict[str, Any] = {
+        "kind": kind,
+        "severity": severity,
+        "ranks": [0] if ranks is None else ranks,
+        "step": 3,
+        "message": f"{kind} happened.",
+        "fix": f"fix the {kind}",
+    }
+    values.update(kw)
+    return Finding(**values)
+
+
+# --- the mechanism -------------------------------------------------------------------
+
+
+def test_a_consequence_is_shown_at_info_with_its_cause_and_the_causes_fix() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", finding("uneven_inputs"))
+    c = book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[1]))
+    v = book.version
+    assert book.explain(c.kind, "stuck", ("uneven_inputs", "loader0"), "Caused by X.", fix="F")
+    assert book.version > v
+    assert (c.severity, c.cause, c.own_severity) == ("info", ("uneven_inputs", "loader0"), "error")
+    assert c.message == "rank0_only_collective happened. Caused by X." and c.fix == "F"
+    assert c.to_json()["cause"] == {
+        "kind": "uneven_inputs",
+        "key": "loader0",
+        "own_severity": "error",
+    }
+    assert c.to_json()["key"] == "stuck"
+    # Explaining it again the same way changes nothing a reader sees.
+    v = book.version
+    assert not book.explain(c.kind, "stuck", ("uneven_inputs", "loader0"), "Caused by X.", fix="F")
+    assert book.version == v
+
+
+def test_the_link_survives_the_detectors_updates_and_can_be_undone() -> None:
+    book = FindingBook()
+    book.raise_or_update("run", finding("rank_exit"))
+    book.raise_or_update("stuck", finding("rank0_only_collective", severity="warning"))
+    book.explain("rank0_only_collective", "stuck", ("rank_exit", "run"), "Caused by a crash.")
+    newer = finding("rank0_only_collective", message="blocked for 9 s.", fix="move it")
+    c = book.raise_or_update("stuck", newer)
+    # The detector raised it to an error; shown as info, with the note after its new text.
+    assert c.severity == "info" and c.own_severity == "error"
+    assert c.message == "blocked for 9 s. Caused by a crash." and c.fix == "move it"
+    book.set_severity(c, "warning")  # a detector lowering its own level
+    assert c.severity == "info" and c.own_severity == "warning"
+    assert book.links() == {("rank0_only_collective", "stuck"): ("rank_exit", "run")}
+    assert book.unexplain("rank0_only_collective", "stuck")
+    assert (c.severity, c.message, c.cause) == ("warning", "blocked for 9 s.", None)
+    assert c.to_json()["cause"] is None and book.links() == {}
+
+
+def test_only_existing_findings_are_linked() -> None:
+    book = FindingBook()
+    book.raise_or_update("stuck", finding("rank0_only_collective"))
+    assert not book.explain("rank0_only_collective", "stuck", ("uneven_inputs", "x"), "n")
+    assert not book.explain("hang", "run", ("rank0_only_collective", "stuck"), "n")
+    assert book.get("rank0_only_collective", "stuck").severity == "error"  # type: ignore[union-attr]
+
+
+# --- the rules ---------------------------------------------------------------------------
+
+
+def linked(book: FindingBook) -> dict[tuple[str, str], tuple[str, str]]:
+    link_causes(RunState(RUN), book)
+    return book.links()
+
+
+def uneven(short: list[int], confirmed: bool = True) -> Finding:
+    return finding("uneven_inputs", ranks=short, evidence={"loader": 0, "confirmed": confirmed})
+
+
+def test_the_longer_ranks_extra_forward_is_explained_by_uneven_inputs() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0]))
+    ev = {"op": "ddp_buffers", "others": {"0": "ended (exit) at step 2"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[1], evidence=ev))
+    assert linked(book) == {("rank0_only_collective", "stuck"): ("uneven_inputs", "loader0")}
+    c = book.get("rank0_only_collective", "stuck")
+    assert c is not None and c.severity == "info"
+    assert "Caused by uneven_inputs (loader 0): rank 0 ran out of batches first" in c.message
+    assert "extra forward broadcasts DDP's buffers" in c.message
+    assert c.fix.startswith("Fix the cause, the uneven inputs: fix the uneven_inputs")
+    u = book.get("uneven_inputs", "loader0")
+    assert u is not None and u.severity == "error" and u.cause is None
+
+
+def test_a_collective_of_the_short_rank_itself_is_not_explained_by_uneven_inputs() -> None:
+    # Rank 0 ran out of batches *and* issues a barrier rank 1 never matches: a real
+    # rank-0-only collective, not the extra forward of the longer rank.
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0]))
+    ev = {"op": "barrier", "others": {"1": "is waiting in all-reduce"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[0], evidence=ev))
+    assert linked(book) == {}
+
+
+def test_a_scripts_collective_unmatched_only_by_ranks_that_ran_out_is_explained() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0, 2]))
+    ev = {"op": "all_reduce", "others": {"0": "ended (exit)", "2": "ended (exit)"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[1], evidence=ev))
+    assert ("rank0_only_collective", "stuck") in linked(book)
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[1], evidence={
+        "op": "all_reduce", "others": {"0": "ended (exit)", "3": "waiting in all-reduce"},
+    }))  # fmt: skip
+    assert linked(book) == {}  # rank 3 had data and still never issued it: a real mismatch
+
+
+def test_the_short_ranks_normal_exit_is_explained_once_uneven_inputs_are_confirmed() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0], confirmed=False))
+    ev = {"stopped": {"0": {"how": "exit"}}, "others": {}}
+    book.raise_or_update("run", finding("rank_exit", ranks=[0], evidence=ev))
+    assert linked(book) == {}  # predicted only: the exit may have another reason
+    book.raise_or_update("loader0", uneven([0], confirmed=True))
+    assert linked(book) == {("rank_exit", "run"): ("uneven_inputs", "loader0")}
+    r = book.get("rank_exit", "run")
+    assert r is not None and r.severity == "info"
+    assert "rank 0 ran out of batches and finished while the others still had data" in r.message
+
+
+def test_a_crash_is_never_explained_by_uneven_inputs() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0]))
+    ev = {"stopped": {"0": {"how": "exception"}}, "others": {}}
+    book.raise_or_update("run", finding("rank_exit", ranks=[0], evidence=ev))
+    assert linked(book) == {}
+
+
+def test_a_rank_blocked_with_a_crashed_peer_is_explained_by_rank_exit() -> None:
+    book = FindingBook()
+    ev = {"stopped": {"2": {"how": "exception"}}, "others": {}}
+    book.raise_or_update("run", finding("rank_exit", ranks=[2], evidence=ev))
+    stuck = {"op": "all_reduce", "others": {"2": "ended (exception) at step 10"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[0, 1], evidence=stuck))
+    assert linked(book) == {("rank0_only_collective", "stuck"): ("rank_exit", "run")}
+    c = book.get("rank0_only_collective", "stuck")
+    assert c is not None and c.severity == "info"
+    assert "Caused by rank_exit: rank 2 stopped (see rank_exit), so ranks 0, 1 wait" in c.message
+    assert c.fix == "Fix the first failure: fix the rank_exit"
+
+
+def test_a_rank_blocked_while_a_live_rank_never_issued_it_stands_on_its_own() -> None:
+    book = FindingBook()
+    ev = {"stopped": {"2": {"how": "exception"}}, "others": {}}
+    book.raise_or_update("run", finding("rank_exit", ranks=[2], evidence=ev))
+    stuck = {"op": "barrier", "others": {"1": "is waiting in all-reduce (bucket 2)"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[0], evidence=stuck))
+    assert linked(book) == {}
+
+
+def test_a_resumed_stall_of_the_straggler_is_explained_by_it_until_a_new_hang() -> None:
+    book = FindingBook()
+    book.raise_or_update("1", finding("straggler", severity="warning", ranks=[1]))
+    hang = finding("hang", severity="warning", ranks=[1], active=False)
+    hang.evidence = {"resolved": "progress resumed"}
+    book.raise_or_update("run", hang)
+    assert linked(book) == {("hang", "run"): ("straggler", "1")}
+    h = book.get("hang", "run")
+    assert h is not None and h.severity == "info" and "Caused by the straggler" in h.message
+    # A new episode: the run stopped again; that stands as the error it is.
+    book.raise_or_update("run", finding("hang", ranks=[1], evidence={}))
+    assert linked(book) == {}
+    assert h.severity == "error" and h.cause is None and "straggler" not in h.message
+
+
+def test_a_resumed_stall_of_another_rank_is_not_the_stragglers() -> None:
+    book = FindingBook()
+    book.raise_or_update("1", finding("straggler", severity="warning", ranks=[1]))
+    hang = finding("hang", severity="warning", ranks=[0], active=False)
+    hang.evidence = {"resolved": "progress resumed"}
+    book.raise_or_update("run", hang)
+    assert linked(book) == {}
+
+
+# --- whole streams -------------------------------------------------------------------------
+
+
+def detectors() -> list[Any]:
+    return [
+        UnevenInputsDetector(),
+        CollectiveMismatchDetector(),
+        RankExitDetector(),
+        HangDetector(),
+    ]
+
+
+def blocked(rank: int, step: int, start: int, seconds: int, op: str, cls: str, site: str):  # type: ignore[no-untyped-def]
+    return [
+        heartbeat(
+            rank,
+            step,
+            start + i * S,
+            run=RUN,
+            phase="collective",
+            in_phase_s=float(i),
+            coll_op=op,
+            coll_class=cls,
+            coll_site=site,
+        )
+        for i in range(1, seconds + 1)
+    ]
+
+
+def by_kind(analysis: Analysis) -> dict[str, Finding]:
+    out = {}
+    for f in findings(analysis):
+        assert f.kind not in out, f"two {f.kind} findings"
+        out[f.kind] = f
+    return out
+
+
+def test_uneven_inputs_without_join_is_one_error_and_its_consequences_point_to_it() -> None:
+    # Rank 0 has 2 batches, rank 1 has 4: rank 0 exits after its 2 steps; rank 1's
+    # third forward blocks in DDP's buffer broadcast, which nobody answers.
+    sim = Sim(WORLD)
+    sim.epoch(uneven_plans({0: 64, 1: 128}), B, stall={1: 2})
+    sim.exit(0)
+    msgs: list[Message] = [*sim.msgs, *blocked(1, 2, S, 12, "broadcast", "ddp", "")]
+    analysis = Analysis(detectors(), history=None)
+    feed(analysis, msgs, tick_every_ns=S // 4)
+    found = by_kind(analysis)
+    assert [f.kind for f in findings(analysis) if f.severity == "error"] == ["uneven_inputs"]
+    u = found["uneven_inputs"]
+    assert u.ranks == [0] and u.cause is None
+    extra = found["rank0_only_collective"]
+    assert extra.ranks == [1] and extra.severity == "info" and extra.own_severity == "error"
+    assert extra.cause == ("uneven_inputs", "loader0")
+    assert "Caused by uneven_inputs (loader 0)" in extra.message
+    assert "Join" in extra.fix and "if rank == 0" not in extra.fix
+    gone = found["rank_exit"]
+    assert gone.ranks == [0] and gone.severity == "info"
+    assert gone.cause == ("uneven_inputs", "loader0")
+    assert "hang" not in found
+
+
+def test_the_same_extra_forward_without_uneven_inputs_stays_an_error() -> None:
+    # Even data, but rank 1 runs a forward of the DDP model after rank 0 finished
+    # (evaluation on rank 1 only): a real unmatched collective.
+    sim = Sim(WORLD)
+    sim.epoch(uneven_plans({0: 128, 1: 128}), B)
+    sim.exit(0)
+    msgs: list[Message] = [*sim.msgs, *blocked(1, 4, S, 12, "broadcast", "ddp", "")]
+    analysis = feed(Analysis(detectors(), history=None), msgs, tick_every_ns=S // 4)
+    c = by_kind(analysis)["rank0_only_collective"]
+    assert c.severity == "error" and c.cause is None
+
+
+def test_a_rank_left_in_the_loss_all_reduce_by_a_crashed_peer_points_to_the_crash() -> None:
+    msgs: list[Message] = [*run_infos(3), *lockstep(3, 10, constant(), loss_allreduce=True)]
+    t = max(m.t for m in msgs)
+    err = "Traceback (most recent call last):\n  File x\nValueError: bad batch\n"
+    msgs.append(End(run=RUN, rank=2, t=t + 1, reason="exception", step=10, error=err))
+    for r in (0, 1):
+        msgs += blocked(r, 10, t, 12, "all_reduce", "user", SITE_LOSS)
+    analysis = feed(Analysis(detectors(), history=None), sorted(msgs, key=lambda m: m.t), S // 4)
+    found = by_kind(analysis)
+    assert [f.kind for f in findings(analysis) if f.severity == "error"] == ["rank_exit"]
+    assert found["rank_exit"].ranks == [2]
+    c = found["rank0_only_collective"]
+    assert c.ranks == [0, 1] and c.severity == "info" and c.cause == ("rank_exit", "run")
+    assert "Caused by rank_exit: rank 2 stopped" in c.message
+    assert c.fix.startswith("Fix the first failure")
+
+
+def test_undoing_a_link_keeps_what_the_detector_wrote_in_place_since() -> None:
+    book = FindingBook()
+    book.raise_or_update("1", finding("straggler", severity="warning", ranks=[1]))
+    h = book.raise_or_update("run", finding("hang", severity="warning", ranks=[1]))
+    book.explain("hang", "run", ("straggler", "1"), "Caused by the straggler.", fix="F")
+    h.message += " Then a rank ended."  # as HangDetector does when the episode ends
+    book.unexplain("hang", "run")
+    assert h.message == "hang happened. Then a rank ended." and h.fix == "fix the hang"
