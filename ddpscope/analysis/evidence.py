@@ -67,6 +67,34 @@ def value_text(value: Any) -> str:
     return str(value)
 
 
+def _fact_text(name: str, value: Any) -> str:
+    # Byte counts read better as sizes (536870912 is 512 MiB); JSON keeps the integer.
+    if name.endswith("bytes") and isinstance(value, int) and not isinstance(value, bool):
+        size, unit = float(value), "B"
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(size) < 1024 or unit == "TiB":
+                break
+            size /= 1024
+        return f"{size:.0f} {unit}" if unit == "B" or size >= 10 else f"{size:.1f} {unit}"
+    return value_text(value)
+
+
+def paired(table: EvidenceTable, longest: int = 16) -> EvidenceTable:
+    """A long key/value table as two key/value pairs a line (column-major), so a
+    card stays short; unchanged when a value is too long to share a line."""
+    rows = table.rows
+    if any(table.columns) or len(rows) <= 6 or any(len(r[1]) > longest for r in rows):
+        return table
+    half = (len(rows) + 1) // 2
+    right = [*rows[half:], ("", "")]
+    return EvidenceTable(
+        table.title,
+        ("", "", "", ""),
+        tuple((*a, *b) for a, b in zip(rows[:half], right, strict=False)),
+        table.more,
+    )
+
+
 def _scalar(value: Any) -> bool:
     return value is None or (isinstance(value, (str, int, float, bool)) and "\n" not in str(value))
 
@@ -121,7 +149,7 @@ def _walk(
         if _lines(value):
             blocks.append(EvidenceText(name, tuple(value[-MAX_LINES:])))
         elif _scalar(value) or (isinstance(value, list) and all(_scalar(v) for v in value)):
-            facts.append((name, value_text(value)))
+            facts.append((name, _fact_text(name, value)))
         elif isinstance(value, str):
             lines = value.rstrip().splitlines()
             title = f"{name} (last {MAX_LINES} lines)" if len(lines) > MAX_LINES else name
