@@ -10,8 +10,8 @@ older one still queued. Applying it is a few list swaps inside
 
 Layout follows the terminal: below ``WIDE`` columns one view at a time with
 the findings squeezed underneath (one line each); from ``WIDE`` columns the
-findings sit beside the views; from ``TALL`` rows as well, ranks, step times
-and buckets show together.
+findings sit beside the views; from ``TALL`` rows as well, ranks, phase bars,
+step times and buckets show together.
 """
 
 from __future__ import annotations
