@@ -56,7 +56,7 @@ def value_text(value: Any) -> str:
         return "yes" if value else "no"
     if isinstance(value, float):
         return f"{value:.4g}"
-    if value is None:
+    if value is None or value == []:
         return "-"
     if isinstance(value, list) and all(_scalar(v) for v in value):
         shown = ", ".join(value_text(v) for v in value[:MAX_ROWS])
