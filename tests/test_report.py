@@ -178,6 +178,7 @@ def test_collective_waits_get_columns_only_when_a_rank_has_them(
     _, plain, _ = cli(str(tmp_path), "--run", "plain", capsys=capsys)
     header = next(ln for ln in plain.splitlines() if ln.strip().startswith("rank "))
     assert " sync " not in header and " coll " not in header
+    assert "collectives besides" not in plain
     write_run(
         tmp_path,
         with_collectives(healthy(), sync_ns=2 * MS, coll_ns=MS),
@@ -195,6 +196,17 @@ def test_collective_waits_get_columns_only_when_a_rank_has_them(
     parts = ("data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other")
     assert sum(float(split[p]) for p in parts) == pytest.approx(float(split["step"]), abs=0.02)
     assert "sync = in DDP's buffer broadcast" in out
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("collectives besides"))) :]
+    assert table[1].split() == ["op", "class", "group", "site", "calls", "rank", "0", "rank", "1"]
+    assert table[2].split()[:5] == ["broadcast", "DDP", "all", "DDP's", "own"]
+    assert table[2].split()[-3:] == ["1", "2.00", "2.00"]
+    assert table[3].split() == ["all_reduce", "user", "all", "/job/train.py:42", "in", "train",
+                                "1", "1.00", "1.00"]  # fmt: skip
+    _, out, _ = cli(str(tmp_path), "--run", "bn", "--json", capsys=capsys)
+    (first, second) = json.loads(out)["ranks"][0]["collectives"]
+    assert first == {"op": "broadcast", "class": "ddp", "group": "", "site": "",
+                     "calls_per_step": 1.0, "blocked_ms": 2.0}  # fmt: skip
+    assert second["site"] == "/job/train.py:42 in train" and second["blocked_ms"] == 1.0
 
 
 def test_finding_evidence_is_printed_as_tables_not_dicts(

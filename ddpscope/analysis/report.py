@@ -23,6 +23,7 @@ import re
 import socket
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,7 +42,7 @@ from ddpscope.analysis.findings import SEVERITIES, severity_at_least
 from ddpscope.analysis.sources import replay_recording
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
-from ddpscope.schema import End, Heartbeat, RunInfo
+from ddpscope.schema import End, Heartbeat, RunInfo, Step
 
 FORMAT = "ddpscope.report"
 VERSION = 1
@@ -267,6 +268,7 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
         "step_p90_ms": _quantile_ms(durations, 0.9),
         "split_ms": {key: median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
         "allreduce_wait_ms": wait_ms,
+        "collectives": collectives(steps),
         "cpu_pct": round(statistics.median(b.cpu_pct for b in beats), 1) if beats else None,
         "rss_bytes": max((b.rss_bytes for b in beats), default=None),
         "last": _last(hb),
@@ -275,6 +277,40 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
         "dropped_send": hb.dropped_send if hb else 0,
         "messages": view.seq_count,
     }
+
+
+#: Collectives listed per rank (by time blocked), beyond which they are summed as "other".
+MAX_COLLECTIVES = 16
+
+
+def collectives(steps: Sequence[Step]) -> list[dict[str, Any]]:
+    """The rank's collectives other than the gradient all-reduce, by (op, class,
+    group, site), most time blocked first: calls and ms blocked per step
+    (means over the rank's steps, so they add up to the split's sync and coll
+    waits, less what steps had beyond the 32 they list)."""
+    if not steps:
+        return []
+    calls: Counter[tuple[str, str, str, str]] = Counter()
+    blocked: Counter[tuple[str, str, str, str]] = Counter()
+    for s in steps:
+        for key_dur in zip(s.c_op, s.c_class, s.c_group, s.c_site, s.c_dur_ns, strict=False):
+            key = key_dur[:4]
+            calls[key] += 1
+            blocked[key] += max(0, key_dur[4])
+    n = len(steps)
+    out = [
+        {
+            "op": op,
+            "class": cls,
+            "group": group,
+            "site": site,
+            "calls_per_step": round(calls[key] / n, 3),
+            "blocked_ms": round(blocked[key] / n / MS, 3),
+        }
+        for key in sorted(blocked, key=lambda k: (-blocked[k], k))
+        for op, cls, group, site in (key,)
+    ]
+    return out[:MAX_COLLECTIVES]
 
 
 def median_ms(values: Sequence[int]) -> float | None:
@@ -396,6 +432,9 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     lines += table_lines(report["ranks"])
     lines.append("")
+    coll = collectives_lines(report["ranks"])
+    if coll:
+        lines += [*coll, ""]
     lines += findings_lines(report["findings"])
     if report["problems"]:
         lines.append("")
@@ -528,6 +567,46 @@ def _doing(last: dict[str, Any]) -> str:
         return str(last["phase"])
     note = " (DDP)" if last.get("coll_class") == "ddp" else ""
     return f"in {last['coll_op']}{note} for {last['in_phase_s']} s"
+
+
+#: Ranks shown one column each in the collectives table; beyond, median and worst.
+COLLECTIVE_RANK_COLUMNS = 8
+
+
+def collectives_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """Where ranks wait besides the gradient all-reduce: one line per collective
+    (op, class, group, call site), ms blocked per step on each rank."""
+    by_key: dict[tuple[str, str, str, str], dict[int, dict[str, Any]]] = {}
+    for r in ranks:
+        for c in r.get("collectives") or []:
+            key = (c["op"], c["class"], c["group"], c["site"])
+            by_key.setdefault(key, {})[r["rank"]] = c
+    if not by_key:
+        return []
+    rank_ids = [r["rank"] for r in ranks]
+    wide = len(rank_ids) <= COLLECTIVE_RANK_COLUMNS
+    head = ["op", "class", "group", "site", "calls"]
+    head += [f"rank {r}" for r in rank_ids] if wide else ["median", "max", "at rank"]
+    rows = []
+    for (op, cls, group, site), per in by_key.items():
+        ms = {r: c["blocked_ms"] for r, c in per.items()}
+        calls = statistics.median(c["calls_per_step"] for c in per.values())
+        row = [op, "DDP" if cls == "ddp" else cls, group or "all", site or "DDP's own"]
+        row.append(f"{calls:g}")
+        if wide:
+            row += [fmt_ms(ms.get(r)) for r in rank_ids]
+        else:
+            worst = max(ms, key=lambda r: ms[r])
+            row += [fmt_ms(statistics.median(ms.values())), fmt_ms(ms[worst]), str(worst)]
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    out = [
+        "collectives besides the gradient all-reduce (ms blocked per step, mean; calls per step):"
+    ]
+    for row in [head, *rows]:
+        cells = [c.ljust(widths[i]) if i < 4 else c.rjust(widths[i]) for i, c in enumerate(row)]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
 
 
 def fmt_ms(value: float | None) -> str:
