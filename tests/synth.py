@@ -490,3 +490,54 @@ def split_ns(s: Step) -> int:
         + s.optimizer_ns
         + s.other_ns
     )
+
+
+def with_collectives(
+    msgs: Iterable[Message],
+    *,
+    sync_ns: int = 0,
+    coll_ns: int = 0,
+    wait_in_sync: bool = False,
+    coll_op: str = "all_reduce",
+    site: str = "/job/train.py:42 in train",
+) -> list[Message]:
+    """The messages with each step's collectives beside the gradient all-reduce.
+
+    Per step: a user collective (``coll_op`` at ``site``) blocking ``coll_ns``
+    at the step's start (a loss all-reduce after the previous optimizer step)
+    and DDP's buffer broadcast blocking ``sync_ns`` as the forward opens. Both
+    are taken out of the data and forward phases, so step times do not move.
+    ``wait_in_sync`` moves the all-reduce wait into the broadcast too: with
+    ``broadcast_buffers=True`` the fast ranks meet a slow one there first.
+    """
+    out: list[Message] = []
+    for m in msgs:
+        if not isinstance(m, Step):
+            out.append(m)
+            continue
+        coll = min(coll_ns, m.data_ns)
+        sync = min(sync_ns, m.forward_ns)
+        moved = m.comm_wait_ns if wait_in_sync else 0
+        ops: list[tuple[str, str, int, int, str]] = []
+        if coll:
+            ops.append((coll_op, "user", 0, coll, site))
+        if sync or moved:
+            ops.append(("broadcast", "ddp", m.data_ns, sync + moved, ""))
+        out.append(
+            dataclasses.replace(
+                m,
+                data_ns=m.data_ns - coll,
+                forward_ns=m.forward_ns - sync,
+                comm_wait_ns=m.comm_wait_ns - moved,
+                sync_wait_ns=sync + moved,
+                coll_wait_ns=coll,
+                c_op=[o[0] for o in ops],
+                c_class=[o[1] for o in ops],
+                c_group=[""] * len(ops),
+                c_nbytes=[4 if o[1] == "user" else -1 for o in ops],
+                c_offset_ns=[o[2] for o in ops],
+                c_dur_ns=[o[3] for o in ops],
+                c_site=[o[4] for o in ops],
+            )
+        )
+    return out

@@ -21,6 +21,8 @@ BOUNDARIES = {
     "ddpscope.analysis.report": ("torch", "textual"),
     "ddpscope.analysis.monitor": ("torch", "textual"),
     "ddpscope.analysis.compare": ("torch", "textual"),
+    # Evidence tables are laid out for the report too, which draws its own text.
+    "ddpscope.analysis.evidence": ("torch", "textual", "rich"),
     "ddpscope.replay.player": ("torch", "textual"),
     "ddpscope.export.chrome": ("torch", "textual"),
     "ddpscope.export.table": ("torch", "textual"),

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import DEMO, ROOT, job_env, torchrun
-from synth import MS, Phases, constant, lockstep, run_infos, straggler
+from synth import MS, Phases, constant, lockstep, run_infos, straggler, with_collectives
 
 from ddpscope.analysis import compare
 from ddpscope.cli.compare import METRIC_CHOICES
@@ -194,6 +194,21 @@ def test_spread_and_waits_name_the_slow_rank(
     assert code == 0
     assert re.search(r"rank spread \(own work\)\s+1\.00 r\d/r\d\s+1\.\d\d r1/r0", out), out
     fits(out)
+
+
+def test_the_spread_names_the_slow_rank_when_the_others_wait_in_the_buffer_broadcast(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = straggler(constant(), rank=1, extra_ns={"data": 5 * MS})
+    msgs = with_collectives(job(timing=slow), sync_ns=MS // 2, wait_in_sync=True)
+    a = write_run(tmp_path / "a", job(timing=constant()))
+    b = write_run(tmp_path / "b", msgs)
+    doc = as_json(str(a), str(b), capsys=capsys)
+    sp = doc["b"]["figures"]["spread"]
+    assert (sp["slowest_rank"], sp["fastest_rank"]) == (1, 0)
+    assert sp["slowest_own_ms"] - sp["fastest_own_ms"] == pytest.approx(5.0)
+    sync = {r["rank"]: r["split_ms"]["sync_wait"] for r in doc["b"]["figures"]["ranks"]}
+    assert sync[0] - sync[1] > 4.5  # rank 0 waits for rank 1 in the broadcast
 
 
 # --- findings --------------------------------------------------------------------

@@ -23,7 +23,17 @@ from typing import Any
 
 import pytest
 from conftest import DEMO, ROOT, job_env, torchrun
-from synth import MS, Phases, constant, heartbeat, lockstep, run_info, run_infos, straggler
+from synth import (
+    MS,
+    Phases,
+    constant,
+    heartbeat,
+    lockstep,
+    run_info,
+    run_infos,
+    straggler,
+    with_collectives,
+)
 
 from ddpscope.cli.main import main
 from ddpscope.export.chrome import PHASES, phase_layout
@@ -221,7 +231,9 @@ def test_step_and_bucket_times_are_the_recorded_ones(
 def test_phases_run_end_to_end_from_the_step_start_inside_the_step(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    run = write_run(tmp_path, healthy(world=2, steps=5))
+    # Every phase and wait non-zero, so each one's place is checked.
+    msgs = with_collectives(healthy(world=2, steps=5), sync_ns=MS // 2, coll_ns=MS // 4)
+    run = write_run(tmp_path, msgs)
     doc = trace_of(run, capsys)
     phases = sorted(events(doc, "X", "phase"), key=lambda e: (e["tid"], e["ts"]))
     for step in events(doc, "X", "step"):
@@ -238,6 +250,31 @@ def test_phases_run_end_to_end_from_the_step_start_inside_the_step(
         assert inside[-1]["ts"] + inside[-1]["dur"] == pytest.approx(
             step["ts"] + step["dur"], abs=1e-3
         )
+
+
+def test_each_collective_is_a_slice_on_the_ranks_collectives_track_at_its_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    msgs = with_collectives(healthy(world=2, steps=3), sync_ns=MS, coll_ns=2 * MS)
+    run = write_run(tmp_path, msgs)
+    doc = trace_of(run, capsys)
+    names = thread_names(doc)
+    slices = events(doc, "X", "collective")
+    assert len(slices) == 2 * 3 * 2  # ranks x steps x (broadcast, all_reduce)
+    base = doc["otherData"]["base_wall_ns"]
+    for s in steps_of(run):
+        mine = sorted(
+            (e for e in slices if e["args"]["step"] == s.step
+             and names[e["pid"], e["tid"]] == f"rank {s.rank} collectives"),
+            key=lambda e: e["ts"],
+        )  # fmt: skip
+        assert [e["name"] for e in mine] == ["all_reduce", "broadcast (DDP)"]
+        for e, offset, dur in zip(mine, s.c_offset_ns, s.c_dur_ns, strict=True):
+            assert e["ts"] == pytest.approx(us(s.t_start + offset + WALL0 - base), abs=1e-3)
+            assert e["dur"] == pytest.approx(us(dur), abs=1e-3)
+        assert mine[0]["args"]["site"] == "/job/train.py:42 in train"
+        assert mine[1]["args"]["class"] == "ddp"
+    assert_nested(doc)
 
 
 def test_phases_longer_than_the_step_are_clipped_to_it() -> None:
@@ -386,6 +423,7 @@ def test_csv_has_one_row_per_rank_per_step_with_the_recorded_values(
         "rank", "host", "step", "epoch", "t_start_s", "step_ms", "data_ms", "forward_ms",
         "backward_ms", "optimizer_ms", "other_ms", "comm_wait_ms", "buckets",
         "bucket_allreduce_ms", "micro_batches", "optimizer_steps", "clock", "model",
+        "sync_wait_ms", "coll_wait_ms", "collectives", "join",
     ]  # fmt: skip
     for row, s in zip(rows, steps, strict=True):
         assert (int(row["rank"]), int(row["step"])) == (s.rank, s.step)
@@ -404,6 +442,20 @@ def test_csv_has_one_row_per_rank_per_step_with_the_recorded_values(
     # The straggler's forward, the waiter's all-reduce wait.
     assert {r["forward_ms"] for r in rows if r["rank"] == "1"} == {"9.000000"}
     assert all(float(r["comm_wait_ms"]) > 3 for r in rows if r["rank"] == "0")
+
+
+def test_csv_has_the_collective_waits_that_complete_the_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    msgs = with_collectives(healthy(world=2, steps=4), sync_ns=MS, coll_ns=MS // 2)
+    rows = csv_of(write_run(tmp_path, msgs), capsys)
+    assert {(r["sync_wait_ms"], r["coll_wait_ms"], r["collectives"]) for r in rows} == {
+        ("1.000000", "0.500000", "2")
+    }
+    parts = ("data", "forward", "backward", "optimizer", "other", "comm_wait", "sync_wait")
+    for r in rows:
+        split = sum(float(r[f"{p}_ms"]) for p in parts) + float(r["coll_wait_ms"])
+        assert split == pytest.approx(float(r["step_ms"]))
 
 
 def test_every_csv_column_is_documented() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 from conftest import ROOT, job_env
-from synth import MS, constant, heartbeat, lockstep, run_infos, step_at
+from synth import MS, constant, heartbeat, lockstep, run_infos, step_at, straggler, with_collectives
 
 from ddpscope.analysis import report
 from ddpscope.cli.main import main
@@ -171,6 +171,83 @@ def test_healthy_run_has_no_findings(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "60 steps" in out
 
 
+def test_collective_waits_get_columns_only_when_a_rank_has_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_run(tmp_path, healthy(), run="plain", wall_ns=WALL0)
+    _, plain, _ = cli(str(tmp_path), "--run", "plain", capsys=capsys)
+    header = next(ln for ln in plain.splitlines() if ln.strip().startswith("rank "))
+    assert " sync " not in header and " coll " not in header
+    assert "collectives besides" not in plain
+    write_run(
+        tmp_path,
+        with_collectives(healthy(), sync_ns=2 * MS, coll_ns=MS),
+        run="bn",
+        wall_ns=WALL0 + S,
+    )
+    _, out, _ = cli(str(tmp_path), "--run", "bn", capsys=capsys)
+    lines = out.splitlines()
+    header = next(ln for ln in lines if ln.strip().startswith("rank "))
+    names = header.split()
+    assert names[names.index("comm") + 1 : names.index("comm") + 3] == ["sync", "coll"]
+    row0 = next(ln for ln in lines if re.match(r"\s+0\s+synth-host", ln)).split()
+    split = dict(zip(names, row0, strict=False))
+    assert (split["sync"], split["coll"]) == ("2.00", "1.00")
+    parts = ("data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other")
+    assert sum(float(split[p]) for p in parts) == pytest.approx(float(split["step"]), abs=0.02)
+    assert "sync = in DDP's buffer broadcast" in out
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("collectives besides"))) :]
+    assert table[1].split() == ["op", "class", "group", "site", "calls", "rank", "0", "rank", "1"]
+    assert table[2].split()[:5] == ["broadcast", "DDP", "all", "DDP's", "own"]
+    assert table[2].split()[-3:] == ["1", "2.00", "2.00"]
+    assert table[3].split() == ["all_reduce", "user", "all", "/job/train.py:42", "in", "train",
+                                "1", "1.00", "1.00"]  # fmt: skip
+    _, out, _ = cli(str(tmp_path), "--run", "bn", "--json", capsys=capsys)
+    (first, second) = json.loads(out)["ranks"][0]["collectives"]
+    assert first == {"op": "broadcast", "class": "ddp", "group": "", "site": "",
+                     "calls_per_step": 1.0, "blocked_ms": 2.0}  # fmt: skip
+    assert second["site"] == "/job/train.py:42 in train" and second["blocked_ms"] == 1.0
+
+
+def test_finding_evidence_is_printed_as_tables_not_dicts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow = straggler(constant(), 1, start=5, extra_ns={"data": 20 * MS})
+    msgs = [*run_infos(2), *lockstep(2, 60, slow)]
+    write_run(tmp_path, msgs)
+    _, out, _ = cli(str(tmp_path), capsys=capsys)
+    assert "{rank:" not in out and "'rank':" not in out
+    lines = out.splitlines()
+    title = next(i for i, ln in enumerate(lines) if ln.strip() == "phases_ms:")
+    table = [ln.split() for ln in lines[title + 1 : title + 8]]
+    assert table[0] == ["rank", "others", "delta"]  # one column per field
+    data = next(row for row in table if row[0] == "data")
+    assert float(data[1]) - float(data[2]) == pytest.approx(float(data[3]), abs=0.01)
+    assert float(data[3]) == pytest.approx(20, abs=0.5)
+
+
+def test_a_rank_blocked_in_a_collective_is_reported_by_the_collectives_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    msgs = healthy(steps=10, ended=False)
+    t = max(m.t for m in msgs)
+    for i in range(1, 4):
+        blocked = {"coll_op": "broadcast", "coll_class": "ddp"}
+        msgs.append(heartbeat(0, 10, t + i * S, phase="collective", in_phase_s=float(i), **blocked))
+        msgs.append(heartbeat(1, 10, t + i * S, phase="data", in_phase_s=float(i)))
+    write_run(tmp_path, msgs)
+    _, out, _ = cli(str(tmp_path), "--hang-after", "30", capsys=capsys)
+    row0 = next(ln for ln in out.splitlines() if re.match(r"\s+0\s+synth-host", ln))
+    assert row0.endswith("none (last: in broadcast (DDP) for 3.0 s, step 10)")
+    _, out, _ = cli(str(tmp_path), "--hang-after", "30", "--json", capsys=capsys)
+    last = json.loads(out)["ranks"][0]["last"]
+    assert (last["phase"], last["coll_op"], last["coll_class"]) == (
+        "collective",
+        "broadcast",
+        "ddp",
+    )
+
+
 # --- JSON ----------------------------------------------------------------------
 
 
@@ -186,7 +263,16 @@ def test_json_has_the_documented_fields(tmp_path: Path, capsys: pytest.CaptureFi
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
     r0 = doc["ranks"][0]
     assert r0["steps"] == 4 and r0["end"]["reason"] == "exception"
-    assert set(r0["split_ms"]) == {"data", "forward", "backward", "comm_wait", "optimizer", "other"}
+    assert set(r0["split_ms"]) == {
+        "data",
+        "forward",
+        "backward",
+        "comm_wait",
+        "sync_wait",
+        "coll_wait",
+        "optimizer",
+        "other",
+    }
     (f,) = doc["findings"]
     assert f["kind"] == "rank_exit" and f["severity"] == "error" and f["ranks"] == [1]
     assert set(f) == {

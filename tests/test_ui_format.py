@@ -88,3 +88,49 @@ def test_the_health_line_names_the_commonest_rejection_reasons() -> None:
         Health(100, -1.0, 0, 0, (), -1.0, -1.0, 0.0, 0, "")  # nothing rejected: no brackets
     ).plain
     assert "rejected 0  silent" in quiet
+
+
+def test_wait_columns_show_only_when_some_rank_waits_there() -> None:
+    from dataclasses import replace
+
+    from ddpscope.ui.ranks import shown_columns
+
+    plain = [_row(0), _row(1)]
+    keys = [c.key for c in shown_columns(plain)]
+    assert "sync_ms" not in keys and "coll_ms" not in keys and "other_ms" in keys
+    synced = [_row(0), replace(_row(1), sync_ms=0.4)]
+    keys = [c.key for c in shown_columns(synced)]
+    assert "sync_ms" in keys and "coll_ms" not in keys
+    assert keys.index("wait_ms") < keys.index("sync_ms") < keys.index("data_ms")
+
+
+def test_a_bar_fills_its_width_in_proportion_and_never_overflows() -> None:
+    from dataclasses import replace
+
+    from ddpscope.ui.phases import SEGMENTS, bar_cells
+
+    # 1+1+1+1 ms of own work, 0 other, 2 of all-reduce wait, 4 of sync wait: 10 ms.
+    row = replace(_row(0, step_ms=10.0), wait_ms=2.0, other_ms=0.0, sync_ms=4.0, coll_ms=0.0)
+    cells = bar_cells(row, 10.0, 50)
+    labels = [(SEGMENTS[i][0], n) for i, n in cells]
+    assert labels == [("data", 5), ("fwd", 5), ("bwd", 5), ("opt", 5), ("ar wt", 10), ("sync", 20)]
+    # Half the longest step: half the width. Thin phases round at their boundaries.
+    assert sum(n for _, n in bar_cells(row, 20.0, 50)) == 25
+    assert sum(n for _, n in bar_cells(replace(row, sync_ms=400.0), 10.0, 50)) == 50
+
+
+def test_the_phase_column_names_the_collective_and_the_time_spent_waiting() -> None:
+    from synth import heartbeat
+
+    from ddpscope.analysis.views import activity, blocked_in
+
+    ddp = heartbeat(0, 6, 1, phase="collective", in_phase_s=70.4, coll_op="broadcast",
+                    coll_class="ddp")  # fmt: skip
+    user = heartbeat(0, 6, 1, phase="collective", in_phase_s=0.5, coll_op="barrier",
+                     coll_class="user", coll_site="train.py:9 in main")  # fmt: skip
+    assert (blocked_in(ddp), activity(ddp)) == ("broadcast (DDP)", "broadcast (DDP) 70s")
+    assert (blocked_in(user), activity(user)) == ("barrier", "barrier 0.5s")
+    assert activity(heartbeat(0, 6, 1, phase="forward", in_phase_s=0.02)) == "forward"
+    assert activity(heartbeat(0, 6, 1, phase="data", in_phase_s=300.0)) == "data 5m"
+    assert activity(heartbeat(0, 6, 1, phase="allreduce", in_phase_s=2.0)) == "allreduce 2.0s"
+    assert blocked_in(heartbeat(0, 6, 1, phase="allreduce")) == ""

@@ -113,3 +113,55 @@ def test_dashboard_at_200x50(app: WatchApp, snap_compare: SnapCompare) -> None:
         await wait_settled(pilot, lambda: app.buckets.matrix is not None and bool(app.steps.rows))
 
     assert snap_compare(app, terminal_size=(200, 50), run_before=run_before)
+
+
+# --- a run with collective waits, through the snapshot-source seam (no socket) ----------------
+
+
+@pytest.fixture
+def bn_app() -> WatchApp:
+    """Three ranks with BatchNorm and a loss all-reduce; rank 1 loads data 20 ms longer,
+    so the others wait in DDP's buffer broadcast (see test_ui_collectives.py)."""
+    from snapsource import MonitorSource
+    from test_ui_collectives import batchnorm_run
+
+    straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
+    source = MonitorSource.of(batchnorm_run(), [straggler.StragglerDetector()])
+    return build_app(source, pull_s=0.05)
+
+
+async def shown(pilot: Pilot[None], *keys: str) -> None:
+    await pilot.pause(0.1)
+    await pilot.press(*keys)
+    await pilot.pause(0.2)
+
+
+def test_collective_waits_main_view_at_80x24(bn_app: WatchApp, snap_compare: SnapCompare) -> None:
+    assert snap_compare(bn_app, terminal_size=(80, 24), run_before=shown)
+
+
+def test_collective_waits_phases_view_at_80x24(bn_app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await shown(pilot, "6")
+
+    assert snap_compare(bn_app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_collective_waits_rank_detail_at_80x34(bn_app: WatchApp, snap_compare: SnapCompare) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await shown(pilot, "enter")  # the straggler, first as problem ranks sort first
+
+    assert snap_compare(bn_app, terminal_size=(80, 34), run_before=run_before)
+
+
+def test_collective_waits_finding_card_at_80x40(
+    bn_app: WatchApp, snap_compare: SnapCompare
+) -> None:
+    async def run_before(pilot: Pilot[None]) -> None:
+        await shown(pilot, "4")
+
+    assert snap_compare(bn_app, terminal_size=(80, 40), run_before=run_before)
+
+
+def test_collective_waits_dashboard_at_200x50(bn_app: WatchApp, snap_compare: SnapCompare) -> None:
+    assert snap_compare(bn_app, terminal_size=(200, 50), run_before=shown)

@@ -64,6 +64,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("forward", "  forward", "ms"),
     Metric("backward", "  backward", "ms"),
     Metric("comm_wait", "  comm (blocked)", "ms"),
+    Metric("sync_wait", "  sync (blocked)", "ms"),
+    Metric("coll_wait", "  coll (blocked)", "ms"),
     Metric("optimizer", "  optimizer", "ms"),
     Metric("other", "  other", "ms"),
     Metric("allreduce_wait", "all-reduce wait", "ms"),
@@ -76,6 +78,12 @@ _BY_KEY = {m.key: m for m in METRICS}
 
 
 # --- reading -------------------------------------------------------------------
+
+
+def _own_ns(s: Step) -> int:
+    # Own work: every collective wait out, not only the gradient all-reduce's
+    # (a fast rank under BatchNorm waits in the buffer broadcast).
+    return s.t_end - s.t_start - s.comm_wait_ns - s.sync_wait_ns - s.coll_wait_ns
 
 
 @dataclass
@@ -154,7 +162,7 @@ def rank_figures(run: RunState, keep: set[int]) -> list[dict[str, Any]]:
                 },
                 # The straggler detector's measure: step time minus the time blocked on the
                 # all-reduce. In synchronous DDP step times even out, own work does not.
-                "own_ms": report.median_ms([s.t_end - s.t_start - s.comm_wait_ns for s in steps]),
+                "own_ms": report.median_ms([_own_ns(s) for s in steps]),
                 "allreduce_wait_ms": waits.get(r),
                 "throughput": _throughput(steps),
             }

@@ -26,6 +26,7 @@ from ddpscope.analysis.views import (
     build_detail,
     build_header,
     build_rows,
+    busy_ms,
     finding_view,
     series,
     silent_ranks,
@@ -160,9 +161,8 @@ class Monitor:
             self._forget_old_runs()
         rank = msg.rank
         if isinstance(msg, Step):
-            step_ms = (msg.t_end - msg.t_start) / 1e6
-            series(extras.step, rank).append(step_ms)
-            series(extras.busy, rank).append(step_ms - msg.comm_wait_ns / 1e6)
+            series(extras.step, rank).append((msg.t_end - msg.t_start) / 1e6)
+            series(extras.busy, rank).append(busy_ms(msg))
             self._measure_lag(run, msg)
         elif isinstance(msg, Heartbeat):
             extras.hb_rx_ns[rank] = rx

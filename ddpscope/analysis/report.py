@@ -18,12 +18,12 @@ No torch, no textual: a report runs on a laptop.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import socket
 import statistics
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,11 +37,12 @@ from ddpscope.analysis.detectors.recipe import prime_from_runs, training_setup
 from ddpscope.analysis.detectors.straggler import bucket_waits
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.evidence import EvidenceTable, layout, table_text
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
 from ddpscope.analysis.sources import replay_recording
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
-from ddpscope.schema import End, Heartbeat, RunInfo
+from ddpscope.schema import End, Heartbeat, RunInfo, Step
 
 FORMAT = "ddpscope.report"
 VERSION = 1
@@ -54,6 +55,8 @@ SPLIT = {
     "forward": "forward_ns",
     "backward": "backward_ns",
     "comm_wait": "comm_wait_ns",
+    "sync_wait": "sync_wait_ns",
+    "coll_wait": "coll_wait_ns",
     "optimizer": "optimizer_ns",
     "other": "other_ns",
 }
@@ -61,8 +64,6 @@ SPLIT = {
 WAIT_BUDGET = 2_000_000
 #: A file from another host unchanged this long belongs to a writer that is gone.
 STALE_S = 15.0
-#: Lines of a multi-line evidence value (a traceback) shown in text.
-TEXT_BLOCK_LINES = 12
 
 
 # --- reading -----------------------------------------------------------------
@@ -267,6 +268,7 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
         "step_p90_ms": _quantile_ms(durations, 0.9),
         "split_ms": {key: median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
         "allreduce_wait_ms": wait_ms,
+        "collectives": collectives(steps),
         "cpu_pct": round(statistics.median(b.cpu_pct for b in beats), 1) if beats else None,
         "rss_bytes": max((b.rss_bytes for b in beats), default=None),
         "last": _last(hb),
@@ -275,6 +277,40 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
         "dropped_send": hb.dropped_send if hb else 0,
         "messages": view.seq_count,
     }
+
+
+#: Collectives listed per rank (by time blocked), beyond which they are summed as "other".
+MAX_COLLECTIVES = 16
+
+
+def collectives(steps: Sequence[Step]) -> list[dict[str, Any]]:
+    """The rank's collectives other than the gradient all-reduce, by (op, class,
+    group, site), most time blocked first: calls and ms blocked per step
+    (means over the rank's steps, so they add up to the split's sync and coll
+    waits, less what steps had beyond the 32 they list)."""
+    if not steps:
+        return []
+    calls: Counter[tuple[str, str, str, str]] = Counter()
+    blocked: Counter[tuple[str, str, str, str]] = Counter()
+    for s in steps:
+        for key_dur in zip(s.c_op, s.c_class, s.c_group, s.c_site, s.c_dur_ns, strict=False):
+            key = key_dur[:4]
+            calls[key] += 1
+            blocked[key] += max(0, key_dur[4])
+    n = len(steps)
+    out = [
+        {
+            "op": op,
+            "class": cls,
+            "group": group,
+            "site": site,
+            "calls_per_step": round(calls[key] / n, 3),
+            "blocked_ms": round(blocked[key] / n / MS, 3),
+        }
+        for key in sorted(blocked, key=lambda k: (-blocked[k], k))
+        for op, cls, group, site in (key,)
+    ]
+    return out[:MAX_COLLECTIVES]
 
 
 def median_ms(values: Sequence[int]) -> float | None:
@@ -296,6 +332,10 @@ def _last(hb: Heartbeat | None) -> dict[str, Any] | None:
         "step": hb.step,
         "bucket": hb.bucket,
         "in_phase_s": round(hb.in_phase_s, 1),
+        # Which collective, while the phase is "collective" ("" otherwise).
+        "coll_op": hb.coll_op if hb.phase == "collective" else "",
+        "coll_class": hb.coll_class if hb.phase == "collective" else "",
+        "coll_site": hb.coll_site if hb.phase == "collective" else "",
     }
 
 
@@ -392,6 +432,9 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     lines += table_lines(report["ranks"])
     lines.append("")
+    coll = collectives_lines(report["ranks"])
+    if coll:
+        lines += [*coll, ""]
     lines += findings_lines(report["findings"])
     if report["problems"]:
         lines.append("")
@@ -459,25 +502,37 @@ def _other_runs_lines(run: dict[str, Any], others: list[dict[str, Any]]) -> list
 
 
 _COLUMNS = (
-    "rank", "host", "steps", "step", "data", "fwd", "bwd", "comm", "opt", "other", "ar-wait",
-    "cpu%", "rss", "end",
+    "rank", "host", "steps", "step", "data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other",
+    "ar-wait", "cpu%", "rss", "end",
 )  # fmt: skip
 _LEFT = ("host", "end")
+#: Columns left out when no rank has a value above 0 in them (most runs have no
+#: buffer broadcast or collective of their own), with the split key they show.
+_OPTIONAL = {"sync": "sync_wait", "coll": "coll_wait"}
 
 
 def table_lines(ranks: list[dict[str, Any]]) -> list[str]:
     """The per-rank table: medians per step in ms, host context, how each rank ended."""
     if not ranks:
         return ["no rank sent anything readable"]
-    rows = [_row(r) for r in ranks]
-    widths = [max(len(name), *(len(row[i]) for row in rows)) for i, name in enumerate(_COLUMNS)]
-    out = [
-        "per rank (medians per step, ms; comm = blocked on all-reduce, ar-wait = waiting for"
-        " other ranks):"
-    ]
-    for row in [list(_COLUMNS), *rows]:
+    hidden = {
+        name
+        for name, key in _OPTIONAL.items()
+        if not any((r["split_ms"].get(key) or 0) > 0 for r in ranks)
+    }
+    keep = [i for i, name in enumerate(_COLUMNS) if name not in hidden]
+    names = [_COLUMNS[i] for i in keep]
+    rows = [[row[i] for i in keep] for row in (_row(r) for r in ranks)]
+    widths = [max(len(name), *(len(row[i]) for row in rows)) for i, name in enumerate(names)]
+    legend = "comm = blocked on all-reduce"
+    if "sync" in names:
+        legend += ", sync = in DDP's buffer broadcast / Join syncs"
+    if "coll" in names:
+        legend += ", coll = in the script's own collectives"
+    out = [f"per rank (medians per step, ms; {legend}, ar-wait = waiting for other ranks):"]
+    for row in [names, *rows]:
         cells = [
-            cell.ljust(widths[i]) if _COLUMNS[i] in _LEFT else cell.rjust(widths[i])
+            cell.ljust(widths[i]) if names[i] in _LEFT else cell.rjust(widths[i])
             for i, cell in enumerate(row)
         ]
         out.append("  " + "  ".join(cells).rstrip())
@@ -489,7 +544,7 @@ def _row(r: dict[str, Any]) -> list[str]:
     end = r["end"]
     if end is None:
         last = r["last"]
-        end_text = f"none (last: {last['phase']}, step {last['step']})" if last else "none"
+        end_text = f"none (last: {_doing(last)}, step {last['step']})" if last else "none"
     else:
         end_text = end["reason"] + (f": {end['error'][:60]}" if end["error"] else "")
     rss = r["rss_bytes"]
@@ -498,12 +553,60 @@ def _row(r: dict[str, Any]) -> list[str]:
         r["host"] or "?",
         str(r["steps"]),
         fmt_ms(r["step_ms"]),
-        *(fmt_ms(split[k]) for k in SPLIT),
+        *(fmt_ms(split.get(k)) for k in SPLIT),
         fmt_ms(r["allreduce_wait_ms"]),
         "-" if r["cpu_pct"] is None else f"{r['cpu_pct']:.0f}",
         "-" if rss is None else f"{rss / (1 << 20):.0f} MB",
         end_text,
     ]
+
+
+def _doing(last: dict[str, Any]) -> str:
+    """The last phase, naming the collective: "broadcast (DDP) for 70.0 s"."""
+    if not last.get("coll_op"):
+        return str(last["phase"])
+    note = " (DDP)" if last.get("coll_class") == "ddp" else ""
+    return f"in {last['coll_op']}{note} for {last['in_phase_s']} s"
+
+
+#: Ranks shown one column each in the collectives table; beyond, median and worst.
+COLLECTIVE_RANK_COLUMNS = 8
+
+
+def collectives_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """Where ranks wait besides the gradient all-reduce: one line per collective
+    (op, class, group, call site), ms blocked per step on each rank."""
+    by_key: dict[tuple[str, str, str, str], dict[int, dict[str, Any]]] = {}
+    for r in ranks:
+        for c in r.get("collectives") or []:
+            key = (c["op"], c["class"], c["group"], c["site"])
+            by_key.setdefault(key, {})[r["rank"]] = c
+    if not by_key:
+        return []
+    rank_ids = [r["rank"] for r in ranks]
+    wide = len(rank_ids) <= COLLECTIVE_RANK_COLUMNS
+    head = ["op", "class", "group", "site", "calls"]
+    head += [f"rank {r}" for r in rank_ids] if wide else ["median", "max", "at rank"]
+    rows = []
+    for (op, cls, group, site), per in by_key.items():
+        ms = {r: c["blocked_ms"] for r, c in per.items()}
+        calls = statistics.median(c["calls_per_step"] for c in per.values())
+        row = [op, "DDP" if cls == "ddp" else cls, group or "all", site or "DDP's own"]
+        row.append(f"{calls:g}")
+        if wide:
+            row += [fmt_ms(ms.get(r)) for r in rank_ids]
+        else:
+            worst = max(ms, key=lambda r: ms[r])
+            row += [fmt_ms(statistics.median(ms.values())), fmt_ms(ms[worst]), str(worst)]
+        rows.append(row)
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    out = [
+        "collectives besides the gradient all-reduce (ms blocked per step, mean; calls per step):"
+    ]
+    for row in [head, *rows]:
+        cells = [c.ljust(widths[i]) if i < 4 else c.rjust(widths[i]) for i, c in enumerate(row)]
+        out.append("  " + "  ".join(cells).rstrip())
+    return out
 
 
 def fmt_ms(value: float | None) -> str:
@@ -535,7 +638,7 @@ def finding_lines(f: dict[str, Any]) -> list[str]:
     state = "" if f["active"] else "  (no longer active)"
     out = [f"{f['severity'].upper():7} {f['kind']}  {', '.join(where)}{state}"]
     out.append(f"  {f['message']}")
-    ev = evidence_lines(f["evidence"])
+    ev = evidence_text(f["evidence"])
     if ev:
         out.append("  evidence:")
         out += ["    " + ln for ln in ev]
@@ -543,44 +646,17 @@ def finding_lines(f: dict[str, Any]) -> list[str]:
     return out
 
 
-def evidence_lines(evidence: dict[str, Any], prefix: str = "") -> list[str]:
-    """Evidence as readable lines: nested maps flattened, stacks and tracebacks as blocks."""
+def evidence_text(evidence: dict[str, Any]) -> list[str]:
+    """Evidence as the UI's cards show it: a key/value table, per-rank values
+    as columns, records as small tables, stacks and tracebacks as blocks."""
     out: list[str] = []
-    for key, value in evidence.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value and len(prefix.split(".")) < 3:
-            if all(not isinstance(v, (dict, list)) for v in value.values()) and len(value) <= 8:
-                out.append(f"{name}: " + ", ".join(f"{k}={_scalar(v)}" for k, v in value.items()))
-            else:
-                out += evidence_lines(value, f"{name}.")
-        elif isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            out.append(f"{name}:")
-            out += [f"  {v}" for v in value[-TEXT_BLOCK_LINES:]]
-        elif isinstance(value, list) and value and all(_flat_map(v) for v in value):
-            out.append(f"{name}:")
-            out += [
-                "  " + ", ".join(f"{k}={_scalar(x)}" for k, x in v.items())
-                for v in value[:TEXT_BLOCK_LINES]
-            ]
-        elif isinstance(value, str) and "\n" in value:
-            lines = value.rstrip().splitlines()
-            out.append(f"{name}: (last {min(len(lines), TEXT_BLOCK_LINES)} lines)")
-            out += [f"  {ln}" for ln in lines[-TEXT_BLOCK_LINES:]]
+    for block in layout(evidence):
+        if isinstance(block, EvidenceTable):
+            if block.title:
+                out.append(f"{block.title}:")
+            indent = "  " if block.title else ""
+            out += [indent + ln for ln in table_text(block)]
         else:
-            out.append(f"{name}: {_scalar(value)}")
+            out.append(f"{block.title}:")
+            out += [f"  {ln}" for ln in block.lines]
     return out
-
-
-def _flat_map(value: Any) -> bool:
-    return isinstance(value, dict) and all(not isinstance(v, (dict, list)) for v in value.values())
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, (list, dict)):
-        text = json.dumps(value, separators=(",", ":"), default=str)
-        return text if len(text) <= 160 else text[:157] + "..."
-    if value is None:
-        return "-"
-    return str(value)

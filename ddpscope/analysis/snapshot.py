@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ddpscope.analysis.evidence import EvidenceBlock
+
 #: Status levels, worst last: a rank's row sorts by these (problem ranks first).
 OK, INFO, WARNING, ERROR = 0, 1, 2, 3
 
@@ -85,6 +87,15 @@ class RankRow:
     #: Empty unless the request asked for series.
     recent_step_ms: tuple[float, ...] = ()
     recent_busy_ms: tuple[float, ...] = ()
+    #: Means like the ones above: blocked in DDP's own syncs (buffer broadcast,
+    #: Join), in the script's collectives, and the rest of the step. With them the
+    #: split adds up to ``step_ms``.
+    sync_ms: float = -1.0
+    coll_ms: float = -1.0
+    other_ms: float = -1.0
+    #: What the rank is doing now, for people: the phase, the collective it is
+    #: blocked in ("broadcast (DDP)", "all_reduce") and for how long when it waits.
+    activity: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +129,8 @@ class FindingView:
     evidence: tuple[tuple[str, str], ...]
     active: bool
     serial: int
+    #: The evidence as small tables and text blocks (analysis/evidence.py).
+    tables: tuple[EvidenceBlock, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +146,26 @@ class PhaseRow:
     other_ms: float
     micro_batches: int
     optimizer_steps: int
+    sync_ms: float = 0.0
+    coll_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRow:
+    """One collective the rank was blocked in during a step."""
+
+    op: str
+    #: "grad" (DDP's gradient all-reduce, all buckets as one row), "ddp" (DDP's
+    #: buffer broadcast, Join's syncs) or "user" (called by the script).
+    cls: str
+    #: "" for the default process group, else its ranks ("0,2").
+    group: str
+    #: -1: unknown.
+    nbytes: int
+    #: Start after the step's start, and time blocked, ms.
+    offset_ms: float
+    blocked_ms: float
+    site: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +223,15 @@ class RankDetail:
     stacks: StacksView | None
     #: Seconds since fresh stacks were asked for and have not come (-1: none pending).
     stacks_pending_s: float
+    #: The collectives of the newest step (``collectives_step``, -1: none), in
+    #: call order, and how many more it had than it listed.
+    collectives: tuple[CollectiveRow, ...] = ()
+    collectives_step: int = -1
+    collectives_more: int = 0
+    #: The collective the rank is blocked in now: "broadcast (DDP)" ("" when none),
+    #: and where it was called.
+    blocked_in: str = ""
+    blocked_site: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from operator import add, sub
 from typing import Any
 
+from ddpscope.analysis.evidence import layout
 from ddpscope.analysis.findings import Finding
 from ddpscope.analysis.snapshot import (
     ERROR,
@@ -22,6 +23,7 @@ from ddpscope.analysis.snapshot import (
     OK,
     WARNING,
     BucketMatrix,
+    CollectiveRow,
     FindingView,
     PassRow,
     PhaseRow,
@@ -32,7 +34,7 @@ from ddpscope.analysis.snapshot import (
     ThreadStack,
 )
 from ddpscope.analysis.state import RankView, RunState
-from ddpscope.schema import Stacks, Step
+from ddpscope.schema import WAITING_PHASES, Heartbeat, Stacks, Step
 
 #: Step times kept per rank for the sparklines (about 12 s at 10 steps/s).
 SERIES_LEN = 120
@@ -57,6 +59,12 @@ class RunExtras:
     stacks_asked_ns: dict[int, int] = field(default_factory=dict)
     stacks_rx_ns: dict[int, int] = field(default_factory=dict)
     end_wall_ns: int = 0
+
+
+def busy_ms(s: Step) -> float:
+    """The step's own work in ms: step time less every collective wait (a rank
+    blocked in a buffer broadcast or a loss all-reduce is waiting, not busy)."""
+    return (s.t_end - s.t_start - s.comm_wait_ns - s.sync_wait_ns - s.coll_wait_ns) / 1e6
 
 
 def series(table: dict[int, deque[float]], rank: int) -> deque[float]:
@@ -89,6 +97,7 @@ def finding_view(f: Finding) -> FindingView:
         evidence=tuple((str(k), _evidence_text(v)) for k, v in f.evidence.items()),
         active=f.active,
         serial=f.serial,
+        tables=layout(f.evidence),
     )
 
 
@@ -151,6 +160,35 @@ def _mean(values: Sequence[int]) -> float:
     return sum(values) / len(values) / 1e6 if values else -1.0
 
 
+#: How the collective classes read after an op's name.
+_CLASS_NOTE = {"ddp": " (DDP)", "user": ""}
+#: Time in a phase is worth showing from this long (s): a waiting rank's
+#: sooner, since a wait that lasts is the first sign of a hang or a straggler.
+_LONG_WAIT_S = 0.1
+_LONG_PHASE_S = 1.0
+
+
+def blocked_in(hb: Heartbeat | None) -> str:
+    """The collective a heartbeat says the rank is blocked in: "broadcast (DDP)",
+    "all_reduce" ("" when it is in none)."""
+    if hb is None or hb.phase != "collective":
+        return ""
+    return (hb.coll_op or "collective") + _CLASS_NOTE.get(hb.coll_class, "")
+
+
+def activity(hb: Heartbeat | None) -> str:
+    """The phase as a person reads it: the collective by name, and the time in it
+    when the rank waits (or has been in one phase for a while): "broadcast (DDP) 70s"."""
+    if hb is None:
+        return ""
+    text = blocked_in(hb) or hb.phase
+    long = _LONG_WAIT_S if hb.phase in WAITING_PHASES else _LONG_PHASE_S
+    if hb.phase != "exited" and hb.in_phase_s >= long:
+        s = hb.in_phase_s
+        text += " " + (f"{s:.1f}s" if s < 10 else f"{s:.0f}s" if s < 120 else f"{s / 60:.0f}m")
+    return text
+
+
 def build_rows(
     run: RunState,
     findings: Iterable[FindingView],
@@ -193,6 +231,10 @@ def build_rows(
                 level=level,
                 recent_step_ms=tuple(extras.step.get(r, ())) if series else (),
                 recent_busy_ms=tuple(extras.busy.get(r, ())) if series else (),
+                sync_ms=_mean([s.sync_wait_ns for s in recent]),
+                coll_ms=_mean([s.coll_wait_ns for s in recent]),
+                other_ms=_mean([s.other_ns for s in recent]),
+                activity=activity(hb),
             )
         )
     return tuple(rows)
@@ -321,7 +363,45 @@ def _phase_row(s: Step) -> PhaseRow:
         other_ms=s.other_ns / 1e6,
         micro_batches=s.micro_batches,
         optimizer_steps=s.optimizer_steps,
+        sync_ms=s.sync_wait_ns / 1e6,
+        coll_ms=s.coll_wait_ns / 1e6,
     )
+
+
+def collective_rows(s: Step) -> tuple[CollectiveRow, ...]:
+    """Every collective the step waited in, in the order they started: DDP's
+    gradient all-reduce as one row (its buckets overlap the backward; the row
+    holds the time the training thread was blocked after it, and starts with
+    the first bucket) among the listed ones."""
+    out = []
+    if s.b_index or s.comm_wait_ns:
+        n = len(s.b_index)
+        out.append(
+            CollectiveRow(
+                op="all_reduce",
+                cls="grad",
+                group="",
+                nbytes=sum(s.b_nbytes) if s.b_nbytes else -1,
+                offset_ms=min(s.b_offset_ns) / 1e6 if s.b_offset_ns else -1.0,
+                blocked_ms=s.comm_wait_ns / 1e6,
+                site=f"DDP gradients, {n} bucket{'s' if n != 1 else ''}",
+            )
+        )
+    for op, cls, group, nbytes, offset, dur, site in zip(
+        s.c_op, s.c_class, s.c_group, s.c_nbytes, s.c_offset_ns, s.c_dur_ns, s.c_site, strict=False
+    ):
+        out.append(
+            CollectiveRow(
+                op=op,
+                cls=cls,
+                group=group,
+                nbytes=nbytes,
+                offset_ms=offset / 1e6,
+                blocked_ms=dur / 1e6,
+                site=site or ("DDP buffers" if op == "broadcast" and cls == "ddp" else ""),
+            )
+        )
+    return tuple(sorted(out, key=lambda c: c.offset_ms))
 
 
 def _passes(run: RunState, rank: int) -> tuple[PassRow, ...]:
@@ -425,6 +505,7 @@ def build_detail(run: RunState, rank: int, extras: RunExtras, now_mono: int) -> 
     end = ""
     if view.end is not None:
         end = view.end.reason + (f": {view.end.error.strip()}" if view.end.error.strip() else "")
+    last = view.last_step
     return RankDetail(
         rank=rank,
         host=info.host if info is not None else "?",
@@ -440,4 +521,9 @@ def build_detail(run: RunState, rank: int, extras: RunExtras, now_mono: int) -> 
         fingerprint=fingerprint_status(run, rank),
         stacks=stacks,
         stacks_pending_s=(now_mono - asked) / 1e9 if asked is not None else -1.0,
+        collectives=collective_rows(last) if last is not None else (),
+        collectives_step=last.step if last is not None else -1,
+        collectives_more=last.c_more if last is not None else 0,
+        blocked_in=blocked_in(hb),
+        blocked_site=hb.coll_site if hb is not None and hb.phase == "collective" else "",
     )

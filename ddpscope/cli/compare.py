@@ -19,8 +19,8 @@ EXIT_REGRESSION = 1
 #: Keep in step with ddpscope.analysis.compare.METRIC_KEYS (not imported: it pulls
 #: in the analysis code, and the parser is built for every subcommand).
 METRIC_CHOICES = (
-    "step", "data", "forward", "backward", "comm_wait", "optimizer", "other",
-    "allreduce_wait", "bucket_allreduce", "throughput", "spread",
+    "step", "data", "forward", "backward", "comm_wait", "sync_wait", "coll_wait", "optimizer",
+    "other", "allreduce_wait", "bucket_allreduce", "throughput", "spread",
 )  # fmt: skip
 
 

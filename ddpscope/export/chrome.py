@@ -4,9 +4,11 @@ Layout (docs/export.md has the details):
 
 - a process per host, named after it;
 - per rank, a thread of steps (``X`` events "step N") with the step's phases
-  nested inside, and a thread of bucket all-reduces (more than one lane when
+  nested inside, a thread of bucket all-reduces (more than one lane when
   all-reduces overlap: trace viewers require the ``X`` events of one thread to
-  nest, and in-flight buckets overlap);
+  nest, and in-flight buckets overlap), and a thread of the other collectives
+  the rank blocked in, at the times they happened (the phases are sums laid
+  end to end, so these could not nest among them);
 - ``C`` counters per rank for CPU % and RSS, from heartbeats;
 - findings as global instant events.
 
@@ -33,9 +35,14 @@ from ddpscope.schema import Heartbeat, Message, Step
 #: a sum over the step: the trace places them end to end from t_start, which
 #: is where they happen for one micro-batch, except "other" (loss, clipping,
 #: evaluation), which is spread out in truth; it goes before the optimizer,
-#: whose end is the step's end when the optimizer closes the step.
+#: whose end is the step's end when the optimizer closes the step. The
+#: script's collectives most often sit between the previous optimizer step and
+#: this forward (a loss all-reduce, a barrier), and DDP's buffer broadcast opens
+#: the forward, so their waits go there.
 PHASES: tuple[tuple[str, str], ...] = (
     ("data", "data_ns"),
+    ("collective wait", "coll_wait_ns"),
+    ("sync wait", "sync_wait_ns"),
     ("forward", "forward_ns"),
     ("backward", "backward_ns"),
     ("all-reduce wait", "comm_wait_ns"),
@@ -64,6 +71,7 @@ class TraceStats:
     steps: int = 0
     phases: int = 0
     buckets: int = 0
+    collectives: int = 0
     counters: int = 0
     findings: int = 0
 
@@ -136,8 +144,14 @@ class _Writer:
             self.buf.clear()
 
 
+#: The track slot of a rank's collectives other than the gradient all-reduce
+#: (slot 0 is its steps, 1..MAX_LANES its bucket lanes).
+COLLECTIVES_SLOT = MAX_LANES + 1
+
+
 class _Tracks:
-    """pids for hosts, tids for (rank, model, slot); slot 0 is steps, slot n the nth bucket lane."""
+    """pids for hosts, tids for (rank, model, slot); slot 0 is steps, slot n the nth
+    bucket lane, COLLECTIVES_SLOT the other collectives."""
 
     def __init__(self, tl: Timeline) -> None:
         self.tl = tl
@@ -161,7 +175,9 @@ class _Tracks:
         for order, key in enumerate(sorted(self.tids)):
             rank, model, slot = key
             name = f"rank {rank}" + (f" model {model}" if model else "")
-            if slot:
+            if slot == COLLECTIVES_SLOT:
+                name += " collectives"
+            elif slot:
                 name += " all-reduce" + (f" {slot}" if slot > 1 else "")
             pid, tid = self.pid(rank), self.tids[key]
             yield _meta("thread_name", pid, tid, {"name": name})
@@ -197,6 +213,7 @@ def _rank_events(rank: int, msgs: list[Message], tl: Timeline, tracks: _Tracks, 
         w.stats.steps += 1
         w.stats.phases += len(phases)
         w.stats.buckets += _bucket_events(rank, s, start, lanes.setdefault(s.model, []), tracks, w)
+        w.stats.collectives += _collective_events(rank, s, start, tracks, w)
         if len(w.buf) >= CHUNK:
             w.flush()
     for m in msgs:
@@ -222,6 +239,28 @@ def _bucket_events(
             f'"args":{{"bucket":{index},"bytes":{nbytes},"step":{s.step}{done}}}}}'
         )
     return len(buckets)
+
+
+#: How a collective's class reads in its slice name.
+_CLASS_NOTE = {"ddp": " (DDP)"}
+
+
+def _collective_events(rank: int, s: Step, start: int, tracks: _Tracks, w: _Writer) -> int:
+    if not s.c_op:
+        return 0
+    pid = tracks.pid(rank)
+    tid = tracks.tid(rank, s.model, COLLECTIVES_SLOT)
+    listed = zip(
+        s.c_op, s.c_class, s.c_group, s.c_nbytes, s.c_offset_ns, s.c_dur_ns, s.c_site, strict=False
+    )
+    for op, cls, group, nbytes, offset, dur, site in listed:
+        args = {"class": cls, "group": group, "bytes": nbytes, "site": site, "step": s.step}
+        w.buf.append(
+            f'{{"ph":"X","cat":"collective","name":{json.dumps(op + _CLASS_NOTE.get(cls, ""))},'
+            f'"pid":{pid},"tid":{tid},"ts":{_us(start + offset)},"dur":{_us(max(0, dur))},'
+            f'"args":{json.dumps(args)}}}'
+        )
+    return len(s.c_op)
 
 
 def _us(ns: int) -> str:

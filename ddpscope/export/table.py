@@ -36,6 +36,11 @@ COLUMNS: tuple[str, ...] = (
     # Last, so that the columns above keep their places: only runs that attach
     # several DDP models have rows with the same (rank, step).
     "model",
+    # Added after "model" for the same reason: the waits in other collectives.
+    "sync_wait_ms",
+    "coll_wait_ms",
+    "collectives",
+    "join",
 )
 
 
@@ -67,6 +72,10 @@ def rows(recording: Recording, timeline: Timeline | None = None) -> Iterator[lis
                 s.optimizer_steps,
                 s.clock,
                 s.model,
+                fixed(s.sync_wait_ns, 6),
+                fixed(s.coll_wait_ns, 6),
+                len(s.c_op) + s.c_more,
+                int(s.join),
             ]
 
 

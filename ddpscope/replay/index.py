@@ -32,6 +32,7 @@ from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET, finding_views
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.analysis.sources import TICK_NS
+from ddpscope.analysis.views import busy_ms
 from ddpscope.record.clocks import HostClocks
 from ddpscope.record.format import SUFFIX, RecordError
 from ddpscope.record.reader import RankFile, RunDir
@@ -77,7 +78,7 @@ class Stream:
         self.offset = array("q")
         #: Record positions of step messages, and the two figures of each that
         #: the step-time sparklines draw (step time, and busy time: step time
-        #: minus all-reduce wait, ms), so a seek fills the sparklines without
+        #: minus the collective waits, ms), so a seek fills the sparklines without
         #: decoding 120 steps of every rank.
         self.step_pos = array("q")
         self.step_ms = array("d")
@@ -107,7 +108,7 @@ class Stream:
             self.step_pos.append(pos)
             step_ms = (msg.t_end - msg.t_start) / 1e6  # as the monitor computes it
             self.step_ms.append(step_ms)
-            self.busy_ms.append(step_ms - msg.comm_wait_ns / 1e6)
+            self.busy_ms.append(busy_ms(msg))
         else:
             self.by_kind.setdefault(code, array("q")).append(pos)
         if msg.seq >= 0:  # re-sent run info carries -1

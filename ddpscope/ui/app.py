@@ -10,8 +10,8 @@ older one still queued. Applying it is a few list swaps inside
 
 Layout follows the terminal: below ``WIDE`` columns one view at a time with
 the findings squeezed underneath (one line each); from ``WIDE`` columns the
-findings sit beside the views; from ``TALL`` rows as well, ranks, step times
-and buckets show together.
+findings sit beside the views; from ``TALL`` rows as well, ranks, phase bars,
+step times and buckets show together.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from ddpscope.ui.messages import (
     SortRequested,
     ViewChosen,
 )
+from ddpscope.ui.phases import PhaseBars
 from ddpscope.ui.ranks import RanksTable, order_rows
 from ddpscope.ui.rows import RowsView
 from ddpscope.ui.steptimes import StepTimes
@@ -83,10 +84,11 @@ class WatchApp(App[None]):
     #body { height: 1fr; layout: vertical; }
     #body.-wide { layout: horizontal; }
     #views { height: 1fr; width: 1fr; }
-    #ranks, #log { height: 1fr; }
+    #ranks, #log, #phases { height: 1fr; }
     #lower { height: 1fr; }
     #steps, #buckets { width: 1fr; height: 1fr; }
-    #body.-dash #ranks { height: auto; max-height: 60%; border-bottom: hkey $panel-lighten-2; }
+    #body.-dash #ranks { height: auto; max-height: 45%; border-bottom: hkey $panel-lighten-2; }
+    #body.-dash #phases { height: auto; max-height: 30%; border-bottom: hkey $panel-lighten-2; }
     #body.-dash #steps { border-right: vkey $panel-lighten-2; }
     #findings { height: auto; max-height: 8; border-top: hkey $panel-lighten-2; }
     #findings.-full { height: 1fr; max-height: 100%; }
@@ -132,6 +134,7 @@ class WatchApp(App[None]):
         self.header = HeaderPanel(id="header")
         self.viewbar = ViewBar(id="viewbar")
         self.ranks = RanksTable(id="ranks")
+        self.phases = PhaseBars(id="phases")
         self.steps = StepTimes(id="steps")
         self.buckets = BucketView(id="buckets")
         self.log_view = LogView(log_path, id="log")
@@ -148,6 +151,7 @@ class WatchApp(App[None]):
         with self.body:
             with self.views:
                 yield self.ranks
+                yield self.phases
                 with self.lower:
                     yield self.steps
                     yield self.buckets
@@ -255,7 +259,7 @@ class WatchApp(App[None]):
         table = self.ranks
         ordered = order_rows(snap.rows, table.sort_column, table.sort_reverse)
         self._order = [r.rank for r in ordered]
-        views: tuple[RowsView, ...] = (self.ranks, self.steps, self.buckets)
+        views: tuple[RowsView, ...] = (self.ranks, self.phases, self.steps, self.buckets)
         focused = self.focused
         if isinstance(focused, RowsView) and focused.user_moved:
             # The view the user moves in is the truth, even before its message lands.
@@ -290,21 +294,22 @@ class WatchApp(App[None]):
         body = self.body
         body.set_class(wide, "-wide")
         body.set_class(dash, "-dash")
-        show = dict.fromkeys(("ranks", "lower", "steps", "buckets", "log"), False)
+        show = dict.fromkeys(("ranks", "phases", "lower", "steps", "buckets", "log"), False)
         if dash:
             show["ranks"] = True
             if view == "log":
                 show["log"] = True
             else:
-                show.update(lower=True, steps=True, buckets=True)
+                show.update(phases=True, lower=True, steps=True, buckets=True)
         elif view in ("steps", "buckets"):
             show.update({"lower": True, view: True})
-        elif view in ("ranks", "log"):
+        elif view in ("ranks", "log", "phases"):
             show[view] = True
         else:  # findings: beside the ranks when wide, alone when narrow
             show["ranks"] = wide
         panels: dict[str, Widget] = {
             "ranks": self.ranks,
+            "phases": self.phases,
             "lower": self.lower,
             "steps": self.steps,
             "buckets": self.buckets,
@@ -324,6 +329,7 @@ class WatchApp(App[None]):
         self._layout()
         target: Widget = {
             "ranks": self.ranks,
+            "phases": self.phases,
             "steps": self.steps,
             "buckets": self.buckets,
             "findings": self.findings,

@@ -1,4 +1,5 @@
-"""A rank up close: phase history, sampler, fingerprint, Python stacks (Enter on a row)."""
+"""A rank up close: the last step's collectives, phase history, sampler, fingerprint,
+Python stacks (Enter on a row)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from ddpscope.analysis.snapshot import PassRow, PhaseRow, RankDetail, StacksView
+from ddpscope.analysis.snapshot import CollectiveRow, PassRow, PhaseRow, RankDetail, StacksView
 from ddpscope.ui import format as fmt
 
 
@@ -19,10 +20,12 @@ def summary(d: RankDetail) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     text.append(f"rank {d.rank}", "bold cyan")
     text.append(f"  {d.host}  pid {d.pid}  local rank {d.local_rank}  {d.backend}/{d.device}")
-    phase = f"  in {d.phase}" if d.phase else ""
+    phase = f"  blocked in {d.blocked_in}" if d.blocked_in else f"  in {d.phase}" if d.phase else ""
     if d.in_phase_s >= 0:
         phase += f" for {fmt.age(d.in_phase_s)}"
-    text.append(phase, "bold")
+    if d.blocked_site:
+        phase += f" at {short_path(d.blocked_site)}"
+    text.append(phase, "bold yellow" if d.blocked_in else "bold")
     if d.end:
         text.append(f"  ended: {d.end}", "bold yellow")
     text.append("\nfingerprint: ", "dim")
@@ -32,35 +35,73 @@ def summary(d: RankDetail) -> Text:
 
 
 def _table(title: str) -> Table:
-    """The detail screen's borderless table style."""
+    """The detail screen's borderless table style: one space between columns,
+    so a dozen of them fit in 80 columns."""
     return Table(
         title=title,
         title_justify="left",
         box=None,
         pad_edge=False,
+        padding=(0, 1, 0, 0),
         header_style="bold",
         expand=False,
     )
+
+
+def _ms(value: float) -> str:
+    return fmt.ms(value, 7).strip()
 
 
 def phase_table(rows: tuple[PhaseRow, ...]) -> RenderableType:
     if not rows:
         return Text("no steps yet", style="dim")
     table = _table("phase history (ms, newest first)")
-    for name in ("step", "ep", "total", "data", "fwd", "bwd", "wait", "opt", "other", "mb"):
-        table.add_column(name, justify="right")
+    # Columns as wide as their widest figure: a squeezed one would read "27…".
+    sync = any(r.sync_ms > 0 for r in rows)
+    coll = any(r.coll_ms > 0 for r in rows)
+    names = ["step", "ep", "total", "data", "fwd", "bwd", "ar wt"]
+    names += ["sync"] * sync + ["coll"] * coll + ["opt", "other", "mb"]
+    for name in names:
+        table.add_column(name, justify="right", no_wrap=True)
     for r in reversed(rows):
+        waits = [_ms(r.wait_ms)] + [_ms(r.sync_ms)] * sync + [_ms(r.coll_ms)] * coll
         table.add_row(
             str(r.step),
             "-" if r.epoch < 0 else str(r.epoch),
-            fmt.ms(r.total_ms, 7),
-            fmt.ms(r.data_ms),
-            fmt.ms(r.forward_ms),
-            fmt.ms(r.backward_ms),
-            fmt.ms(r.wait_ms),
-            fmt.ms(r.optimizer_ms),
-            fmt.ms(r.other_ms),
+            _ms(r.total_ms),
+            _ms(r.data_ms),
+            _ms(r.forward_ms),
+            _ms(r.backward_ms),
+            *waits,
+            _ms(r.optimizer_ms),
+            _ms(r.other_ms),
             f"{r.micro_batches}" + ("" if r.optimizer_steps else " skip"),
+        )
+    return table
+
+
+#: How each class of collective reads in the detail.
+CLASS_LABEL = {"grad": "DDP grad", "ddp": "DDP", "user": "user"}
+
+
+def collectives_table(rows: tuple[CollectiveRow, ...], step: int, more: int) -> RenderableType:
+    if not rows:
+        return Text("collectives: none in the last step", style="dim")
+    extra = f", {more} more not listed" if more else ""
+    table = _table(f"collectives of step {step} (ms; blocked = time the rank waited{extra})")
+    for name in ("op", "class", "group", "bytes", "at", "blocked", "site"):
+        right = name in ("bytes", "at", "blocked")
+        table.add_column(name, justify="right" if right else "left", no_wrap=name != "site")
+    longest = max(c.blocked_ms for c in rows)
+    for c in rows:
+        table.add_row(
+            c.op,
+            CLASS_LABEL.get(c.cls, c.cls),
+            c.group or "all",
+            fmt.nbytes(c.nbytes),
+            "-" if c.offset_ms < 0 else _ms(c.offset_ms),
+            Text(_ms(c.blocked_ms), style="bold" if c.blocked_ms == longest > 0 else ""),
+            short_path(c.site),
         )
     return table
 
@@ -138,6 +179,10 @@ def stacks_text(stacks: StacksView | None, pending_s: float) -> RenderableType:
     return Group(*parts)
 
 
+#: Below this many columns the stacks go under the history, not beside it.
+NARROW = 160
+
+
 class RankDetailScreen(Screen[None]):
     BINDINGS = [
         Binding("escape,backspace", "app.pop_screen", "Back"),
@@ -150,6 +195,7 @@ class RankDetailScreen(Screen[None]):
 
     DEFAULT_CSS = """
     RankDetailScreen #detail-summary { height: 2; padding: 0 1; background: $boost; }
+    RankDetailScreen #detail-collectives { margin-bottom: 1; }
     RankDetailScreen #detail-body { height: 1fr; }
     RankDetailScreen #detail-body.-narrow { layout: vertical; }
     RankDetailScreen VerticalScroll { width: 1fr; height: 1fr; padding: 0 1; }
@@ -165,6 +211,7 @@ class RankDetailScreen(Screen[None]):
         self._summary = Static(Text(f"rank {rank}: waiting for data…"), id="detail-summary")
         self._body = Horizontal(id="detail-body")
         self._phases = Static(id="detail-phases")
+        self._collectives = Static(id="detail-collectives")
         self._sampler = Static(id="detail-sampler")
         self._stacks = Static(id="detail-stack-text")
 
@@ -172,6 +219,8 @@ class RankDetailScreen(Screen[None]):
         yield self._summary
         with self._body:
             with VerticalScroll(id="detail-history"):
+                # The last step's collectives first: a few lines, and the newest news.
+                yield self._collectives
                 yield self._phases
                 yield self._sampler
             with VerticalScroll(id="detail-stacks"):
@@ -182,7 +231,8 @@ class RankDetailScreen(Screen[None]):
         self._draw()
 
     def on_resize(self) -> None:
-        self._body.set_class(self.size.width < 120, "-narrow")
+        # Side by side only when the history's dozen columns still fit in half.
+        self._body.set_class(self.size.width < NARROW, "-narrow")
 
     def show(self, detail: RankDetail | None) -> None:
         """Take the newest detail of this rank (drawn now if mounted, else on mount)."""
@@ -198,6 +248,9 @@ class RankDetailScreen(Screen[None]):
             return
         self._summary.update(summary(detail))
         self._phases.update(phase_table(detail.phases))
+        self._collectives.update(
+            collectives_table(detail.collectives, detail.collectives_step, detail.collectives_more)
+        )
         self._sampler.update(sampler_table(detail.passes))
         self._stacks.update(stacks_text(detail.stacks, detail.stacks_pending_s))
 

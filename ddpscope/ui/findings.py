@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+from ddpscope.analysis.evidence import EvidenceBlock, EvidenceTable, paired
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.ui import format as fmt
 
@@ -43,11 +45,51 @@ def card(f: FindingView) -> RenderableType:
     body = Text(f.message, style="" if f.active else "dim")
     fix = Text.assemble(("→ ", "bold green"), (f.fix, "green" if f.active else "dim"))
     parts: list[RenderableType] = [head, body, fix]
-    if f.evidence:
-        ev = Text("  ".join(f"{k}={v}" for k, v in f.evidence), style="dim")
-        parts.append(ev)
+    parts += [evidence_block(b, f.active) for b in f.tables]
     parts.append(Text(""))
     return Group(*parts)
+
+
+def evidence_block(block: EvidenceBlock, active: bool = True) -> RenderableType:
+    """One evidence table (key/value rows, or ranks across) or text block, small and dim."""
+    style = "" if active else "dim"
+    if not isinstance(block, EvidenceTable):
+        lines = [Text(block.title, style="bold " + style)]
+        lines += [
+            Text("  " + ln, style="dim", no_wrap=True, overflow="ellipsis") for ln in block.lines
+        ]
+        return Group(*lines)
+    block = paired(block)
+    header = any(block.columns)
+    table = Table(
+        title=block.title or None,
+        title_justify="left",
+        title_style="bold " + style,
+        box=None,
+        pad_edge=False,
+        # Paired key/value columns need a wider gap to read as two pairs.
+        padding=(0, 1 if header or len(block.columns) < 4 else 3, 0, 0),
+        show_header=header,
+        header_style="bold " + style,
+        style=style,
+    )
+    for i, name in enumerate(block.columns):
+        # The first column names the rows; the others hold figures (per rank, per field).
+        # Paired key/value tables have keys in every other column.
+        key = i == 0 or (not header and i % 2 == 0)
+        table.add_column(
+            name,
+            style="cyan" if key else "",
+            justify="right" if header and i else "left",
+            no_wrap=key or header,
+            overflow="fold" if i and not header else "ellipsis",
+        )
+    for row in block.rows:
+        table.add_row(*row)
+    if block.more:
+        table.caption = f"({block.more})"
+        table.caption_justify = "left"
+    return table
 
 
 class FindingsPanel(VerticalScroll, can_focus=True):

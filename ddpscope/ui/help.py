@@ -15,13 +15,13 @@ KEYS = (
     ("q", "quit (a job started by ddpscope run keeps running; the launcher waits for it)"),
     ("space", "pause / resume the display (telemetry is still taken in)"),
     ("?  esc", "this help / close it"),
-    ("1 2 3 4 5", "views: ranks, step time, buckets, findings, job log"),
+    ("1 2 3 4 5 6", "views: ranks, step time, buckets, findings, job log, phases"),
     ("↑ ↓ pgup pgdn", "move between ranks, home/end: first/last (the views share one cursor)"),
     ("enter", "rank detail: phase history, sampler, fingerprint, Python stacks"),
     ("s", "ask the highlighted rank for fresh Python stacks (answers even when hung)"),
     ("< >", "sort the ranks by the previous / next column (or click a header)"),
     ("r", "reverse the sort"),
-    ("m", "step-time view: busy time (step minus all-reduce wait) or step time"),
+    ("m", "step-time view: busy time (step minus collective waits) or step time"),
     ("tab", "move focus between panels"),
 )
 
@@ -50,6 +50,18 @@ HEALTH = (
         "grows when the watcher falls behind.",
     ),
 )
+
+COLUMNS = (
+    ("step ms", "step time; the columns after it split it, means over the last 5 steps"),
+    ("ar wt", "blocked in DDP's gradient all-reduce after backward"),
+    ("sync", "blocked in DDP's own syncs: the buffer broadcast at each forward, Join's (shown "
+     "when a rank has any)"),
+    ("coll", "blocked in collectives the script called: a loss all_reduce, a barrier (shown "
+     "when a rank has any)"),
+    ("data fwd bwd opt other", "the rank's own work: loading, forward, backward, "
+     "optimizer.step(), the rest"),
+    ("phase", "what the rank does now; a collective by name ('broadcast (DDP) 12s')"),
+)  # fmt: skip
 
 BADGES = (
     "Status badges: ok, exited; a finding's kind (straggler, hang, ...) when a finding singles "
@@ -101,6 +113,8 @@ class HelpScreen(ModalScreen[None]):
                     *first,
                     _table(KEYS, "Keys"),
                     Text(DETAIL_KEYS, style="dim"),
+                    Text(""),
+                    _table(COLUMNS, "The ranks table (6: the same split as bars)"),
                     Text(""),
                     _table(HEALTH, "The header's monitor line"),
                     Text(""),

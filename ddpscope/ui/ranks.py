@@ -24,6 +24,9 @@ class Column:
     right: bool = True
     #: Biggest first when sorted by this column (slowest step, oldest heartbeat...).
     descending: bool = True
+    #: Shown only while some rank has a value above 0 (waits most runs never have:
+    #: 80 columns cannot spare the room for two columns of zeros).
+    optional: bool = False
 
 
 def _problem_first(row: RankRow) -> Any:
@@ -38,19 +41,27 @@ COLUMNS: tuple[Column, ...] = (
     Column("step", "step", 7, lambda r: str(r.step), lambda r: r.step, descending=False),
     Column("epoch", "ep", 3, lambda r: "-" if r.epoch < 0 else str(r.epoch), lambda r: r.epoch),
     Column("step_ms", "step ms", 7, lambda r: fmt.ms(r.step_ms, 7), lambda r: r.step_ms),
-    Column("wait_ms", "wait", 6, lambda r: fmt.ms(r.wait_ms), lambda r: r.wait_ms),
-    Column("data_ms", "data", 6, lambda r: fmt.ms(r.data_ms), lambda r: r.data_ms),
-    Column("forward_ms", "fwd", 6, lambda r: fmt.ms(r.forward_ms), lambda r: r.forward_ms),
-    Column("backward_ms", "bwd", 6, lambda r: fmt.ms(r.backward_ms), lambda r: r.backward_ms),
-    Column("optimizer_ms", "opt", 6, lambda r: fmt.ms(r.optimizer_ms), lambda r: r.optimizer_ms),
+    # The split of the step, adding up to it: the three collective waits, then own work.
+    Column("wait_ms", "ar wt", 6, lambda r: fmt.ms(r.wait_ms), lambda r: r.wait_ms),
+    Column(
+        "sync_ms", "sync", 5, lambda r: fmt.ms(r.sync_ms, 5), lambda r: r.sync_ms, optional=True
+    ),
+    Column(
+        "coll_ms", "coll", 5, lambda r: fmt.ms(r.coll_ms, 5), lambda r: r.coll_ms, optional=True
+    ),
+    Column("data_ms", "data", 5, lambda r: fmt.ms(r.data_ms, 5), lambda r: r.data_ms),
+    Column("forward_ms", "fwd", 5, lambda r: fmt.ms(r.forward_ms, 5), lambda r: r.forward_ms),
+    Column("backward_ms", "bwd", 5, lambda r: fmt.ms(r.backward_ms, 5), lambda r: r.backward_ms),
+    Column("optimizer_ms", "opt", 5, lambda r: fmt.ms(r.optimizer_ms, 5), lambda r: r.optimizer_ms),
+    Column("other_ms", "other", 5, lambda r: fmt.ms(r.other_ms, 5), lambda r: r.other_ms),
     Column("cpu", "cpu%", 4, lambda r: fmt.pct(r.cpu_pct), lambda r: r.cpu_pct),
     Column("rss", "rss", 6, lambda r: fmt.nbytes(r.rss_bytes), lambda r: r.rss_bytes),
     Column("hb", "hb", 5, lambda r: fmt.age(r.hb_age_s), lambda r: r.hb_age_s),
     Column(
         "phase",
         "phase",
-        9,
-        lambda r: r.phase,
+        20,
+        lambda r: r.activity or r.phase,
         lambda r: (r.phase, r.rank),
         right=False,
         descending=False,
@@ -67,6 +78,14 @@ COLUMNS: tuple[Column, ...] = (
 )
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 _BY_KEY = {c.key: c for c in COLUMNS}
+
+
+def shown_columns(rows: Sequence[RankRow]) -> tuple[Column, ...]:
+    """The columns worth showing for these rows: optional ones only where some rank
+    has a value (one pass over the rows per snapshot, not per drawn line)."""
+    optional = [c for c in COLUMNS if c.optional]
+    used = {c.key for c in optional if any(c.sort(r) > 0 for r in rows)}
+    return tuple(c for c in COLUMNS if not c.optional or c.key in used)
 
 
 def order_rows(rows: Sequence[RankRow], column: str, reverse: bool) -> list[RankRow]:
@@ -93,15 +112,20 @@ class RanksTable(RowsView):
         super().__init__(id=id)
         self.sort_column = "status"
         self.sort_reverse = False
+        self.columns: tuple[Column, ...] = shown_columns(())
+
+    def set_rows(self, rows: Sequence[RankRow]) -> None:
+        self.columns = shown_columns(rows)
+        super().set_rows(rows)
 
     def content_width(self) -> int:
-        return sum(c.width + 1 for c in COLUMNS)
+        return sum(c.width + 1 for c in self.columns)
 
     def header_segments(self) -> list[Segment]:
         plain = self.style("rows--header")
         sorted_style = plain + self.style("ranks--sorted")
         out = []
-        for c in COLUMNS:
+        for c in self.columns:
             label = c.label
             style = plain
             if c.key == self.sort_column:
@@ -116,7 +140,7 @@ class RanksTable(RowsView):
         dim = self.style("rows--dim")
         badge = self.level_style(row.level)
         out = []
-        for c in COLUMNS:
+        for c in self.columns:
             text = c.text(row)
             if c.key == "status":
                 style = badge
@@ -136,12 +160,18 @@ class RanksTable(RowsView):
         self.redraw()
 
     def step_column(self, delta: int) -> None:
+        # Walk all columns, so a sort column that was hidden meanwhile still has neighbours.
+        shown = {c.key for c in self.columns}
         i = COLUMN_KEYS.index(self.sort_column)
-        self.sort_by(COLUMN_KEYS[(i + delta) % len(COLUMN_KEYS)], reverse=False)
+        for _ in COLUMN_KEYS:
+            i = (i + delta) % len(COLUMN_KEYS)
+            if COLUMN_KEYS[i] in shown:
+                break
+        self.sort_by(COLUMN_KEYS[i], reverse=False)
 
     def header_clicked(self, x: int) -> None:
         left = 0
-        for c in COLUMNS:
+        for c in self.columns:
             if left <= x < left + c.width + 1:
                 self.post_message(SortRequested(c.key))
                 return

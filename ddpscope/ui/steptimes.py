@@ -3,8 +3,9 @@
 In synchronous DDP every rank's step takes the same wall time (the
 all-reduce evens them out), so plain step time shows *when* a run slowed
 down but not *who* slowed it. The default metric is therefore busy time:
-step time minus the time the rank sat blocked in the gradient all-reduce. The
-straggler's line rises; the others stay flat. ``m`` switches to step time.
+step time minus the time the rank sat blocked in collectives (the gradient
+all-reduce, DDP's buffer broadcast, the script's own). The straggler's line
+rises; the others stay flat. ``m`` switches to step time.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ BARS = "▁▂▃▄▅▆▇█"
 WARN_RATIO, ERROR_RATIO = 1.25, 1.5
 
 METRICS = {
-    "busy": "busy ms (step - all-reduce wait)",
+    "busy": "busy ms (step - waits)",
     "step": "step time ms",
 }
 

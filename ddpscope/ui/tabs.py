@@ -15,6 +15,7 @@ VIEWS: tuple[tuple[str, str, str], ...] = (
     ("buckets", "3", "Buckets"),
     ("findings", "4", "Findings"),
     ("log", "5", "Job log"),
+    ("phases", "6", "Phases"),
 )
 
 
