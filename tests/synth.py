@@ -507,8 +507,9 @@ def with_collectives(
     at the step's start (a loss all-reduce after the previous optimizer step)
     and DDP's buffer broadcast blocking ``sync_ns`` as the forward opens. Both
     are taken out of the data and forward phases, so step times do not move.
-    ``wait_in_sync`` moves the all-reduce wait into the broadcast too: with
-    ``broadcast_buffers=True`` the fast ranks meet a slow one there first.
+    ``wait_in_sync`` moves the all-reduce wait (and the buckets' share of it)
+    into the broadcast too: with ``broadcast_buffers=True`` the fast ranks meet
+    a slow one there first.
     """
     out: list[Message] = []
     for m in msgs:
@@ -529,6 +530,8 @@ def with_collectives(
                 data_ns=m.data_ns - coll,
                 forward_ns=m.forward_ns - sync,
                 comm_wait_ns=m.comm_wait_ns - moved,
+                # The all-reduce no longer waits, so its buckets no longer last as long.
+                b_dur_ns=[max(0, d - moved) if d >= 0 else d for d in m.b_dur_ns],
                 sync_wait_ns=sync + moved,
                 coll_wait_ns=coll,
                 c_op=[o[0] for o in ops],
