@@ -318,6 +318,25 @@ def test_a_configured_limit_is_kept_from_the_first_steps(limit: float) -> None:
     assert "hang" not in kinds(before)
 
 
+def test_a_set_up_barrier_while_rank_0_prepares_data_is_not_a_hang() -> None:
+    # `if rank == 0: download(); dist.barrier()` before the first step, for 2 minutes.
+    msgs: list[Message] = list(run_infos(2))
+    msgs += stuck({0: ("idle", 0), 1: ("collective", 0)}, 0, 120, colls={1: BARRIER})
+    assert "hang" not in kinds(analyze(msgs))
+    # The same wait in the barrier once training runs is one.
+    later = run_steps(steps=20)
+    t = end_of(later)
+    later += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 10, colls={1: BARRIER})
+    assert kinds(analyze(later))["hang"][0].ranks == [0]
+
+
+def test_before_the_first_step_a_wait_in_ddps_broadcast_still_counts() -> None:
+    msgs: list[Message] = list(run_infos(2))
+    msgs += stuck({0: ("collective", 0), 1: ("data", 0)}, 0, 70, colls={0: BROADCAST})
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [1] and f.evidence["threshold_s"] == HANG_COLD_S
+
+
 def test_a_rank_waiting_in_a_collective_for_a_crashed_peer_is_a_rank_exit_not_a_hang() -> None:
     msgs = run_steps(steps=10, loss_allreduce=True)
     t = end_of(msgs)

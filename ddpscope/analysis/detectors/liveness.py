@@ -17,7 +17,10 @@ Hang rule, checked on every tick; all four must hold:
    (``collective``: DDP's buffer broadcast at the start of a forward, the
    script's ``all_reduce`` of a loss, a ``barrier``), or ``join``. Without a
    waiter every rank is in its own code (a long checkpoint, a final
-   evaluation, a slow first batch) and nobody is blocked by anybody.
+   evaluation, a slow first batch) and nobody is blocked by anybody. A rank in
+   one of the script's collectives before its first step does not count: set-up
+   code has the others wait in a barrier while rank 0 downloads or prepares
+   data, for as long as that takes.
 4. No rank has exited or gone silent: then the others wait for a rank that is
    gone, and ``rank_exit`` says so instead.
 
@@ -157,6 +160,12 @@ class Where:
     @property
     def waiting(self) -> bool:
         return self.phase in WAITING_PHASES
+
+    @property
+    def setup_barrier(self) -> bool:
+        """In a collective of the script before its first step: ``if rank == 0:
+        download(); dist.barrier()`` keeps the others there as long as the download takes."""
+        return self.phase == "collective" and self.coll_class == "user" and self.step == 0
 
     def describe(self) -> str:
         """``waiting in all-reduce (bucket 4) at step 3 for 11.0 s``."""
@@ -393,7 +402,7 @@ class HangDetector:
             if w.heard_s > silence or w.phase == "exited":
                 return None  # vanished or exiting: rank_exit's business
             live.append(w)
-        if not live or not any(w.waiting for w in live):
+        if not live or not any(w.waiting and not w.setup_barrier for w in live):
             return None
         if any(w.in_phase_s < limit for w in live):
             return None
