@@ -368,8 +368,14 @@ class HangDetector:
             st.active = False
             self._resumed(book, stall_ns / NS)
         elif st.active and verdict is None and _someone_gone(run):
-            st.active = False
-            self._ended(book)
+            finished = _finished_cleanly(run)
+            if finished is None:
+                st.active = False
+                self._ended(book)
+            elif finished:
+                st.active = False
+                self._finished(book, (now - st.progress_ns) / NS)
+            # else: ranks exited normally and the others may be about to: wait and see
         if verdict is None:
             return  # a phase changed without progress: keep the episode as last seen
         if not st.active:
@@ -491,6 +497,18 @@ class HangDetector:
         book.resolve("hang", "run")
 
     @staticmethod
+    def _finished(book: FindingBook, stall_s: float) -> None:
+        f = book.get("hang", "run")
+        if f is None:
+            return
+        # Every rank left its wait and ended normally: the stall was the end of the job
+        # (rank 0 writing a checkpoint while the others wait in a final barrier).
+        book.set_severity(f, "info")
+        f.message = f.message.rstrip(".") + f"; after {stall_s:.1f} s every rank finished normally."
+        f.evidence["resolved"] = "finished normally"
+        book.resolve("hang", "run")
+
+    @staticmethod
     def _ended(book: FindingBook) -> None:
         f = book.get("hang", "run")
         if f is None:
@@ -506,6 +524,22 @@ def _someone_gone(run: RunState) -> bool:
         (v.end is not None and v.end.reason in EXIT_REASONS) or run.now_ns - v.last_rx_ns > silence
         for v in run.ranks.values()
     )
+
+
+def _finished_cleanly(run: RunState) -> bool | None:
+    """After a rank ended during a stall: True when every rank has ended normally, None
+    when one raised, vanished or kept waiting past the silence limit (rank_exit's case),
+    False while the ranks left may still end normally (their ends are on the way)."""
+    ended = [v for v in run.ranks.values() if v.end is not None]
+    if any(v.end is not None and v.end.reason != "exit" for v in ended):
+        return None
+    if len(ended) == len(run.expected_ranks()) and len(ended) == len(run.ranks):
+        return True
+    last_end = max((v.last_rx_ns for v in ended), default=run.now_ns)
+    silence = silence_limit_s(run) * NS
+    if not ended or run.now_ns - last_end > silence:
+        return None
+    return False
 
 
 def _stack_of(run: RunState, rank: int) -> dict[str, Any] | None:
