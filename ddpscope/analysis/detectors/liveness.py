@@ -24,6 +24,10 @@ Hang rule, checked on every tick; all four must hold:
 4. No rank has exited or gone silent: then the others wait for a rank that is
    gone, and ``rank_exit`` says so instead.
 
+A hang that lasted until ranks ended is resolved: as info when every rank then
+ended normally (the stall was the end of the job: rank 0 writing a checkpoint
+while the others waited in a final barrier), else left to ``rank_exit``.
+
 T is ``hang_after_s`` when given (``report --hang-after``). Otherwise it comes
 from the step-time history after warm-up (the first two steps): max(10 x
 median step time, 2 x the longest step), clamped to [5 s, 300 s]; the
