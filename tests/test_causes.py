@@ -183,6 +183,17 @@ def test_a_rank_blocked_while_a_live_rank_never_issued_it_stands_on_its_own() ->
     assert linked(book) == {}
 
 
+def test_a_peer_that_died_later_of_the_collective_timeout_does_not_explain_it() -> None:
+    # Rank 0 alone in a barrier while rank 1 waits in all-reduce; both then die of the
+    # collective timeout. The mismatch came first: it stays the error.
+    book = FindingBook()
+    ev = {"stopped": {"1": {"how": "exception"}}, "others": {"0": {"state": "running"}}}
+    book.raise_or_update("run", finding("rank_exit", ranks=[1], evidence=ev))
+    stuck = {"op": "barrier", "others": {"1": "is waiting in all-reduce (bucket 4) at step 4"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[0], evidence=stuck))
+    assert linked(book) == {}
+
+
 def test_a_resumed_stall_of_the_straggler_is_explained_by_it_until_a_new_hang() -> None:
     book = FindingBook()
     book.raise_or_update("1", finding("straggler", severity="warning", ranks=[1]))

@@ -318,6 +318,56 @@ def test_a_configured_limit_is_kept_from_the_first_steps(limit: float) -> None:
     assert "hang" not in kinds(before)
 
 
+def test_a_set_up_barrier_while_rank_0_prepares_data_is_not_a_hang() -> None:
+    # `if rank == 0: download(); dist.barrier()` before the first step, for 2 minutes.
+    msgs: list[Message] = list(run_infos(2))
+    msgs += stuck({0: ("idle", 0), 1: ("collective", 0)}, 0, 120, colls={1: BARRIER})
+    assert "hang" not in kinds(analyze(msgs))
+    # The same wait in the barrier once training runs is one.
+    later = run_steps(steps=20)
+    t = end_of(later)
+    later += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 10, colls={1: BARRIER})
+    assert kinds(analyze(later))["hang"][0].ranks == [0]
+
+
+def test_before_the_first_step_a_wait_in_ddps_broadcast_still_counts() -> None:
+    msgs: list[Message] = list(run_infos(2))
+    msgs += stuck({0: ("collective", 0), 1: ("data", 0)}, 0, 70, colls={0: BROADCAST})
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [1] and f.evidence["threshold_s"] == HANG_COLD_S
+
+
+def test_a_final_checkpoint_while_the_others_wait_in_a_barrier_ends_as_info() -> None:
+    # After the last step rank 0 writes a checkpoint for 20 s; rank 1 waits in the final
+    # barrier. It looks like a hang until both ranks end normally: then the job is done.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 20, colls={1: BARRIER})
+    during = analyze(msgs)
+    assert kinds(during)["hang"][0].severity == "error"
+    t_end = t + 20 * S + 5 * MS
+    msgs += [end(0, 20, t_end), end(1, 20, t_end + 300 * MS)]
+    found = kinds(analyze(msgs))
+    (f,) = found["hang"]
+    assert f.severity == "info" and not f.active
+    assert "every rank finished normally" in f.message
+    assert f.evidence["resolved"] == "finished normally"
+    assert "rank_exit" not in found
+
+
+def test_a_normal_exit_that_leaves_another_rank_waiting_is_still_a_rank_exit() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 10, colls={1: BARRIER})
+    msgs.append(end(0, 20, t + 10 * S + MS))
+    msgs += stuck({1: ("collective", 20)}, t + 10 * S, 15, colls={1: BARRIER})
+    found = kinds(analyze(msgs))
+    (h,) = found["hang"]
+    assert h.severity == "error" and not h.active and h.evidence["resolved"] == "a rank ended"
+    (f,) = found["rank_exit"]
+    assert f.ranks == [0] and f.severity == "error"
+
+
 def test_a_rank_waiting_in_a_collective_for_a_crashed_peer_is_a_rank_exit_not_a_hang() -> None:
     msgs = run_steps(steps=10, loss_allreduce=True)
     t = end_of(msgs)

@@ -126,6 +126,9 @@ def test_message_figures_and_what_if() -> None:
     assert "160.0 ms/step vs 100.0 ms" in f.message and "+60%" in f.message
     assert "code outside data/forward/backward/optimizer" in f.message
     assert "outside forward/backward/optimizer" in f.fix
+    # Waits in the all-reduce alone: the evidence a run without other collectives had.
+    assert not {"others_wait_split_ms", "others_wait_in", "others_wait_where"} & set(ev)
+    assert "the other ranks wait for it at the all-reduce" in f.message
 
 
 def test_host_context_comes_from_the_slow_ranks_heartbeat() -> None:
@@ -354,7 +357,8 @@ def test_the_gradient_all_reduce_is_named_when_the_others_wait_there() -> None:
     timing = straggler(constant(BASE), 1, start=ONSET, extra_ns={"backward": 60 * MS})
     f = findings(analyse(2, 80, timing, buffers=True, loss_allreduce=True))[0]
     assert f.evidence["others_wait_in"] == "allreduce"
-    assert "wait for it at the gradient all-reduce" in f.message
+    assert f.evidence["others_wait_split_ms"]["allreduce"] == pytest.approx(60, abs=1)
+    assert "wait for it at the all-reduce" in f.message
 
 
 def test_a_waiters_booked_wait_would_hide_the_straggler() -> None:

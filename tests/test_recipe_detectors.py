@@ -569,6 +569,28 @@ def test_a_rank_in_ddps_buffer_broadcast_after_the_other_exited_is_named() -> No
     assert "Rank 0 has been blocked" in f.message and "a forward of the DDP model" in f.message
 
 
+def test_a_rank_heard_in_a_barrier_only_before_the_other_exited_is_not_named() -> None:
+    # End of a healthy job: rank 1 waited in the final barrier while rank 0 saved a
+    # checkpoint; rank 0 arrived, the barrier completed and rank 0's end message came in
+    # before rank 1 sent another heartbeat (or its own end).
+    base = in_collective(
+        stuck_stream(("data", None), ("collective", None)),
+        1,
+        "barrier",
+        "user",
+        f"{TRAIN}:61 in train",
+    )
+    t = last_t(base)
+    finished = [*base, end(0, 4, t + 300 * MS), end(1, 4, t + 900 * MS)]  # a tick between
+    assert findings(stuck_analysis(finished), "rank0_only_collective") == []
+    # Still heard in the barrier after rank 0 ended: it is blocked there.
+    late = [m for m in base if m.t <= t - 6 * S]
+    late.append(end(0, 4, t - 6 * S + 1))
+    late += [m for m in base if m.t > t - 6 * S and m.rank == 1]
+    (f,) = findings(stuck_analysis(sorted(late, key=lambda m: m.t)), "rank0_only_collective")
+    assert f.ranks == [1] and "rank 0 ended (exit)" in f.message
+
+
 def test_ranks_in_one_buffer_broadcast_or_join_agreement_match() -> None:
     both = stuck_stream(("collective", None), ("collective", None))
     for r in (0, 1):

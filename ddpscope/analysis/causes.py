@@ -19,7 +19,9 @@ The rules:
   are the ones that ran out (confirmed uneven inputs).
 - ``rank_exit`` of a rank that raised or was killed explains a
   ``rank0_only_collective`` of ranks blocked in a collective whose missing
-  partners are exactly the stopped ranks: they wait for a rank that is gone.
+  partners had all stopped so already when it was raised: they wait for a
+  rank that is gone. (Partners that were waiting elsewhere and died later of
+  the collective timeout are the mismatch's consequence, not its cause.)
 - ``straggler`` explains a ``hang`` episode that resumed by itself, when the
   rank behind in it is that straggler: the others waited for it, once longer.
 
@@ -140,9 +142,16 @@ def crash_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
         return {}
     out: dict[Key, Want] = {}
     for c in book.of_kind("rank0_only_collective"):
-        missing = _ranks_of(c.evidence.get("others"))
+        others = c.evidence.get("others")
+        missing = _ranks_of(others)
         named = set(c.ranks)
-        if missing and missing <= gone and named and not named & gone:
+        # The partners must have been gone already when the ranks were found blocked: a
+        # rank that was waiting elsewhere and only then died of the collective timeout is
+        # a consequence of the mismatch, not its cause.
+        already = isinstance(others, dict) and all(
+            str(v).startswith("ended (") for v in others.values()
+        )
+        if already and missing and missing <= gone and named and not named & gone:
             out[(c.kind, c.key)] = Want(
                 (r.kind, r.key),
                 f"Caused by rank_exit: {_plural(missing)} stopped (see rank_exit), so "

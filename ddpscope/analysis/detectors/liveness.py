@@ -17,9 +17,16 @@ Hang rule, checked on every tick; all four must hold:
    (``collective``: DDP's buffer broadcast at the start of a forward, the
    script's ``all_reduce`` of a loss, a ``barrier``), or ``join``. Without a
    waiter every rank is in its own code (a long checkpoint, a final
-   evaluation, a slow first batch) and nobody is blocked by anybody.
+   evaluation, a slow first batch) and nobody is blocked by anybody. A rank in
+   one of the script's collectives before its first step does not count: set-up
+   code has the others wait in a barrier while rank 0 downloads or prepares
+   data, for as long as that takes.
 4. No rank has exited or gone silent: then the others wait for a rank that is
    gone, and ``rank_exit`` says so instead.
+
+A hang that lasted until ranks ended is resolved: as info when every rank then
+ended normally (the stall was the end of the job: rank 0 writing a checkpoint
+while the others waited in a final barrier), else left to ``rank_exit``.
 
 T is ``hang_after_s`` when given (``report --hang-after``). Otherwise it comes
 from the step-time history after warm-up (the first two steps): max(10 x
@@ -157,6 +164,12 @@ class Where:
     @property
     def waiting(self) -> bool:
         return self.phase in WAITING_PHASES
+
+    @property
+    def setup_barrier(self) -> bool:
+        """In a collective of the script before its first step: ``if rank == 0:
+        download(); dist.barrier()`` keeps the others there as long as the download takes."""
+        return self.phase == "collective" and self.coll_class == "user" and self.step == 0
 
     def describe(self) -> str:
         """``waiting in all-reduce (bucket 4) at step 3 for 11.0 s``."""
@@ -359,8 +372,14 @@ class HangDetector:
             st.active = False
             self._resumed(book, stall_ns / NS)
         elif st.active and verdict is None and _someone_gone(run):
-            st.active = False
-            self._ended(book)
+            finished = _finished_cleanly(run)
+            if finished is None:
+                st.active = False
+                self._ended(book)
+            elif finished:
+                st.active = False
+                self._finished(book, (now - st.progress_ns) / NS)
+            # else: ranks exited normally and the others may be about to: wait and see
         if verdict is None:
             return  # a phase changed without progress: keep the episode as last seen
         if not st.active:
@@ -393,7 +412,7 @@ class HangDetector:
             if w.heard_s > silence or w.phase == "exited":
                 return None  # vanished or exiting: rank_exit's business
             live.append(w)
-        if not live or not any(w.waiting for w in live):
+        if not live or not any(w.waiting and not w.setup_barrier for w in live):
             return None
         if any(w.in_phase_s < limit for w in live):
             return None
@@ -482,6 +501,18 @@ class HangDetector:
         book.resolve("hang", "run")
 
     @staticmethod
+    def _finished(book: FindingBook, stall_s: float) -> None:
+        f = book.get("hang", "run")
+        if f is None:
+            return
+        # Every rank left its wait and ended normally: the stall was the end of the job
+        # (rank 0 writing a checkpoint while the others wait in a final barrier).
+        book.set_severity(f, "info")
+        f.message = f.message.rstrip(".") + f"; after {stall_s:.1f} s every rank finished normally."
+        f.evidence["resolved"] = "finished normally"
+        book.resolve("hang", "run")
+
+    @staticmethod
     def _ended(book: FindingBook) -> None:
         f = book.get("hang", "run")
         if f is None:
@@ -497,6 +528,22 @@ def _someone_gone(run: RunState) -> bool:
         (v.end is not None and v.end.reason in EXIT_REASONS) or run.now_ns - v.last_rx_ns > silence
         for v in run.ranks.values()
     )
+
+
+def _finished_cleanly(run: RunState) -> bool | None:
+    """After a rank ended during a stall: True when every rank has ended normally, None
+    when one raised, vanished or kept waiting past the silence limit (rank_exit's case),
+    False while the ranks left may still end normally (their ends are on the way)."""
+    ended = [v for v in run.ranks.values() if v.end is not None]
+    if any(v.end is not None and v.end.reason != "exit" for v in ended):
+        return None
+    if len(ended) == len(run.expected_ranks()) and len(ended) == len(run.ranks):
+        return True
+    last_end = max((v.last_rx_ns for v in ended), default=run.now_ns)
+    silence = silence_limit_s(run) * NS
+    if not ended or run.now_ns - last_end > silence:
+        return None
+    return False
 
 
 def _stack_of(run: RunState, rank: int) -> dict[str, Any] | None:

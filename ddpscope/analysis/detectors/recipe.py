@@ -832,6 +832,12 @@ class CollectiveMismatchDetector:
                 return  # running its own code: it may still get to the collective
         if not blocked:
             return
+        ended = [v.last_rx_ns for r in reference if (v := run.ranks[r]).end is not None]
+        if ended and any(st.hb_rx.get(r, 0) <= max(ended) for r in blocked):
+            # Only a heartbeat sent after the others ended says a rank is still blocked:
+            # one from before may predate a collective that completed as they left (a
+            # final barrier, then everyone exits).
+            return
         ops = Counter(op for op, _, _ in blocked.values())
         if reference:
             named = sorted(blocked)

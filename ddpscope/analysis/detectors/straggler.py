@@ -423,7 +423,8 @@ class StragglerDetector:
             f"rank {r} is a straggler: its own work takes {_ms(v.own):.1f} ms/step vs "
             f"{_ms(v.ref):.1f} ms on the other ranks ({_times(v.ratio)}), the extra time "
             f"{'mostly in ' + where if where else 'spread over all phases'}; the other ranks "
-            f"wait for it {ev['others_wait_where']}. Steps take {ev['step_ms']:.1f} ms; "
+            f"wait for it {ev.get('others_wait_where', _WAIT_TEXT['allreduce'])}. "
+            f"Steps take {ev['step_ms']:.1f} ms; "
             f"~{ev['what_if_step_ms']:.1f} ms if rank {r} kept pace with the others."
         )
         fix = _FIX[grown[0] if grown else "forward"].format(r=r) + _host_hint(ev)
@@ -514,12 +515,7 @@ def _evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
         waits["ddp_sync"].append(median(x.sync_wait_ns for x in others))
         waits["collectives"].append(median(x.coll_wait_ns for x in others))
     if not step_ns:
-        return {
-            "phases_ms": {},
-            "grown_phases": [],
-            "step_ms": 0.0,
-            "others_wait_where": _WAIT_TEXT["allreduce"],
-        }
+        return {"phases_ms": {}, "grown_phases": [], "step_ms": 0.0}
     phases = {}
     for p, _ in PHASES:
         a, b = median(mine[p]), median(theirs[p])
@@ -539,17 +535,20 @@ def _evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
         "grown_phases": grown,
         "step_ms": _ms(step_med),
         "others_wait_ms": _ms(sum(split.values())),
-        "others_wait_split_ms": {w: _ms(v) for w, v in split.items()},
-        "others_wait_in": main,
-        "others_wait_where": _wait_where(run, r, steps[-4:], main),
         "waiting_ranks": sorted(q for q in run.ranks if q != r)[:16],
     }
+    if split["ddp_sync"] > 0 or split["collectives"] > 0:
+        # Only where the others wait outside the all-reduce too: a run (or a recording
+        # from an older rank side) that waits there alone keeps the evidence it had.
+        ev["others_wait_split_ms"] = {w: _ms(v) for w, v in split.items()}
+        ev["others_wait_in"] = main
+        ev["others_wait_where"] = _wait_where(run, r, steps[-4:], main)
     ev.update(_host(run, r))
     return ev
 
 
 _WAIT_TEXT = {
-    "allreduce": "at the gradient all-reduce",
+    "allreduce": "at the all-reduce",
     "ddp_sync": "in DDP's own syncs in forward",
     "collectives": "in the script's collectives",
 }
