@@ -153,6 +153,65 @@ def test_the_short_ranks_normal_exit_is_explained_once_uneven_inputs_are_confirm
     assert "rank 0 ran out of batches and finished while the others still had data" in r.message
 
 
+def _end_of_data_mismatch(book: FindingBook) -> None:
+    """Without Join: rank 0 ran out and waits in its final barrier, rank 1 in its next forward."""
+    blocked = {
+        "0": {"op": "barrier", "at": "train.py:234 in main", "for_s": 5.2},
+        "1": {"op": "ddp_buffers", "at": "train.py:259 in _train", "for_s": 5.2},
+    }
+    stuck = finding("rank0_only_collective", ranks=[0, 1], evidence={"blocked": blocked})
+    book.raise_or_update("stuck", stuck)
+    where = {
+        "0": {"phase": "collective", "collective": {"op": "barrier", "class": "user"}},
+        "1": {"phase": "collective", "collective": {"op": "broadcast", "class": "ddp"}},
+    }
+    book.raise_or_update("run", finding("hang", ranks=[0, 1], evidence={"where": where}))
+
+
+def test_without_join_the_mismatch_at_the_end_of_the_data_is_the_uneven_inputs() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0], confirmed=False))
+    book.now_ns = 5
+    _end_of_data_mismatch(book)
+    book.now_ns = 10
+    timeouts = {"stopped": {"0": {"how": "exception"}, "1": {"how": "exception"}}}
+    book.raise_or_update("run", finding("rank_exit", ranks=[0, 1], evidence=timeouts))
+    cause = ("uneven_inputs", "loader0")
+    assert linked(book) == {
+        ("rank0_only_collective", "stuck"): cause,
+        ("hang", "run"): cause,
+        ("rank_exit", "run"): cause,
+    }
+    stuck, hang = book.get("rank0_only_collective", "stuck"), book.get("hang", "run")
+    assert stuck is not None and "rank 0 ran out of batches and went on" in stuck.message
+    assert "while rank 1 still trains" in stuck.message
+    assert hang is not None and hang.severity == "info" and "never issues" in hang.message
+
+
+def test_the_same_mismatch_under_join_or_led_by_a_long_rank_is_not_the_uneven_inputs() -> None:
+    book = FindingBook()
+    joined = finding("uneven_inputs", ranks=[0], evidence={"loader": 0, "join": True})
+    book.raise_or_update("loader0", joined)
+    _end_of_data_mismatch(book)
+    assert linked(book) == {}
+    # rank 1 (it had data) is the one outside its training step: a real mismatch
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([1], confirmed=False))
+    _end_of_data_mismatch(book)
+    assert linked(book) == {}
+
+
+def test_exits_before_the_mismatch_hang_are_not_its_consequence() -> None:
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([0], confirmed=False))
+    crashed = {"stopped": {"1": {"how": "exception"}}}
+    book.now_ns = 5
+    book.raise_or_update("run", finding("rank_exit", ranks=[1], evidence=crashed))
+    book.now_ns = 10
+    _end_of_data_mismatch(book)
+    assert ("rank_exit", "run") not in linked(book)
+
+
 def test_a_crash_is_never_explained_by_uneven_inputs() -> None:
     book = FindingBook()
     book.raise_or_update("loader0", uneven([0]))

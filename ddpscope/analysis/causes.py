@@ -16,7 +16,12 @@ The rules:
   batches when the unanswered collective is a DDP forward's buffer broadcast
   (the extra forward), or when every rank that did not issue it is a rank that
   ran out of batches; and a ``rank_exit`` whose ranks all exited normally and
-  are the ones that ran out (confirmed uneven inputs).
+  are the ones that ran out (confirmed uneven inputs); and, without Join, the
+  mismatch at the end of the short ranks' data: a ``rank0_only_collective``
+  or a ``hang`` where the short ranks wait in a collective after their loop
+  while the others wait in their next training step (the buffer broadcast or
+  the gradient all-reduce), and the ``rank_exit`` of ranks that then raised
+  (the collective timeout).
 - ``rank_exit`` of a rank that raised or was killed explains a
   ``rank0_only_collective`` of ranks blocked in a collective whose missing
   partners had all stopped so already when it was raised: they wait for a
@@ -104,6 +109,7 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
                 "collective issued on some ranks by the script.",
                 fix=fix,
             )
+        _ran_out_mismatch(book, u, short, cause, loader, fix, out)
         r = book.get("rank_exit", "run")
         if r is None or not u.evidence.get("confirmed") or not r.ranks:
             continue
@@ -124,6 +130,103 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
                 ),
             )
     return out
+
+
+def _in_training(op: object) -> bool:
+    """A collective every step of the training loop runs (as the blocked maps name them)."""
+    from ddpscope.analysis.detectors.recipe import DDP_BUFFERS
+
+    return op in (DDP_BUFFERS, "allreduce", "all-reduce", "broadcast (DDP buffers)")
+
+
+def _training_wait(w: object) -> bool:
+    """A hang's ``where`` entry waiting in a training step's collective."""
+    if not isinstance(w, dict):
+        return False
+    coll = w.get("collective")
+    return w.get("phase") == "allreduce" or (isinstance(coll, dict) and coll.get("class") == "ddp")
+
+
+def _after_loop_wait(w: object) -> bool:
+    """A hang's ``where`` entry waiting in a collective of the script's own."""
+    return isinstance(w, dict) and w.get("phase") == "collective" and not _training_wait(w)
+
+
+def _ran_out_mismatch(
+    book: FindingBook,
+    u: Finding,
+    short: set[int],
+    cause: Key,
+    loader: object,
+    fix: str,
+    out: dict[Key, Want],
+) -> None:
+    """Without Join, the ranks that ran out wait in their own next collective (the end of
+    the job's barrier, the next epoch's first step) while the others wait in their next
+    training step: one mismatch, reported as a stuck collective, a hang and the timeout
+    errors it ends in. Each is the uneven inputs' consequence."""
+    if u.evidence.get("join"):
+        return
+    mismatch = False
+    for c in book.of_kind("rank0_only_collective"):
+        blocked = c.evidence.get("blocked")
+        if not isinstance(blocked, dict) or (c.kind, c.key) in out:
+            continue
+        ranks = _ranks_of(blocked)
+        long_ = ranks - short
+        if not (ranks & short and long_):
+            continue
+        ops = {int(q): v.get("op") for q, v in blocked.items() if isinstance(v, dict)}
+        if all(_in_training(ops.get(q)) for q in long_) and not any(
+            _in_training(ops.get(q)) for q in ranks & short
+        ):
+            mismatch = True
+            out[(c.kind, c.key)] = Want(
+                cause,
+                f"Caused by uneven_inputs (loader {loader}): {_plural(ranks & short)} ran out "
+                f"of batches and went on to the code after the loop, while {_plural(long_)} "
+                f"still train{'s' if len(long_) == 1 else ''}: their collectives no longer "
+                "match.",
+                fix=fix,
+            )
+    h = book.get("hang", "run")
+    where = h.evidence.get("where") if h is not None else None
+    if h is not None and isinstance(where, dict) and (h.kind, h.key) not in out:
+        ranks = _ranks_of(where)
+        long_ = ranks - short
+
+        ran_out = ranks & short
+        if (
+            long_
+            and ran_out
+            and all(_training_wait(where.get(str(q))) for q in long_)
+            and all(_after_loop_wait(where.get(str(q))) for q in ran_out)
+        ):
+            mismatch = True
+            out[(h.kind, h.key)] = Want(
+                cause,
+                f"Caused by uneven_inputs (loader {loader}): {_plural(ran_out)} ran out of "
+                f"batches and wait{'s' if len(ran_out) == 1 else ''} in a collective after "
+                f"the loop that {_plural(long_)}, still training, never "
+                f"issue{'s' if len(long_) == 1 else ''}.",
+                fix=fix,
+            )
+    r = book.get("rank_exit", "run")
+    if not mismatch or r is None or (r.kind, r.key) in out or h is None:
+        return
+    stopped = r.evidence.get("stopped")
+    if (
+        isinstance(stopped, dict)
+        and stopped
+        and all(isinstance(v, dict) and v.get("how") == "exception" for v in stopped.values())
+        and 0 <= h.raised_ns <= r.raised_ns
+    ):
+        out[(r.kind, r.key)] = Want(
+            cause,
+            f"Caused by uneven_inputs (loader {loader}): {_plural(set(r.ranks))} failed after "
+            "the mismatch the uneven inputs caused (see hang): the collective timed out.",
+            fix=fix,
+        )
 
 
 def crash_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
