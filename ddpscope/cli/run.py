@@ -139,6 +139,27 @@ def build_env(
     return env
 
 
+def check_record_dir(env: Mapping[str, str]) -> None:
+    """Raise UsageError when the ranks could not record where ``env`` says.
+
+    Each rank would otherwise find out alone, after the job started, and
+    train unrecorded with a warning in its output.
+    """
+    record = env.get("DDPSCOPE_RECORD", "")
+    if not record:
+        return
+    try:
+        os.makedirs(record, exist_ok=True)
+        # Writing is the only test that holds for root and read-only mounts alike.
+        with tempfile.TemporaryFile(dir=record):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"cannot record into {record}: {exc.strerror or exc}; choose another --record DIR, "
+            "or --record '' to record nothing"
+        ) from None
+
+
 def torchrun_options(command: Sequence[str]) -> dict[str, str] | None:
     """torchrun's own options in ``command`` (``--nnodes=2`` and ``--nnodes 2`` alike,
     names with ``-`` for ``_``), or None when it is not a torchrun launch.
@@ -403,6 +424,7 @@ class RunCommand:
         try:
             env = build_env(os.environ, args.record, args.endpoint, args.run_id, command)
             relay = wants_relay(command, env, getattr(args, "relay", None))
+            check_record_dir(env)
         except UsageError as exc:
             return self._usage_error(str(exc))
         print(describe(env), file=sys.stderr, flush=True)
