@@ -134,3 +134,15 @@ def leftovers(run_dir: Path) -> list[str]:
         for p in run_dir.iterdir()
         if not (p.name.startswith("rank-") and p.suffix == ".ddps") and p.name != "job.log"
     )
+
+
+def private_tmp(tmp_path: Path) -> Path:
+    """A TMPDIR for the command under test alone, so its temporary files can be counted."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(exist_ok=True)
+    return tmp
+
+
+def ddpscope_temp_files(tmp: Path) -> list[str]:
+    """What ddpscope left in a private TMPDIR (torchrun's own dirs are not ours)."""
+    return sorted(p.name for p in tmp.iterdir() if p.name.startswith("ddpscope"))

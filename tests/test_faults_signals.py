@@ -4,8 +4,10 @@ and `relay`; and the way to keep a job alive past a lost terminal (nohup)."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,12 +19,14 @@ from faults import (
     LONG_JOB,
     TORCHRUN_SIGNALLED,
     all_gone,
+    ddpscope_temp_files,
     descendants,
     ends,
     free_tcp_endpoint,
     kill_all,
     leftovers,
     port_free,
+    private_tmp,
     ranks_training,
     read_back,
     torchrun_demo,
@@ -48,10 +52,13 @@ def _headless(record: Path, *job: str, prefix: tuple[str, ...] = ()) -> list[str
             "--endpoint", f"ipc://{record.parent}/w.sock", "--", *job]  # fmt: skip
 
 
-def _popen(argv: list[str], log: Path, started: list[psutil.Process]) -> subprocess.Popen[bytes]:
+def _popen(
+    argv: list[str], log: Path, started: list[psutil.Process], tmp: Path | None = None
+) -> subprocess.Popen[bytes]:
+    env = job_env(TMPDIR=str(tmp or private_tmp(log.parent)))
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            argv, env=job_env(), cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            argv, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=out
         )
     started.append(psutil.Process(proc.pid))
     return proc
@@ -70,7 +77,31 @@ def test_a_stop_signal_to_headless_run_stops_the_workers_and_returns_torchruns_s
     assert proc.wait(timeout=GONE_S) == TORCHRUN_SIGNALLED
     all_gone(procs)
     assert leftovers(record / "t") == []
+    assert ddpscope_temp_files(private_tmp(tmp_path)) == []
     assert all(len(e) == 1 for e in ends(read_back(record)).values())  # each rank said so
+
+
+@pytest.mark.torchrun
+def test_a_stop_signal_to_run_with_a_node_relay_leaves_no_socket_or_temp_dir(
+    tmp_path: Path, launched: list[psutil.Process]
+) -> None:
+    record = tmp_path / "rec"
+    argv = [*DDPSCOPE, "run", "--headless", "--relay", "--record", str(record), "--run-id", "t",
+            "--endpoint", free_tcp_endpoint(), "--", *torchrun_demo(*LONG_JOB)]  # fmt: skip
+    # Short: the relay's ipc:// path must fit in a sockaddr_un (107 bytes).
+    tmp = Path(tempfile.mkdtemp(prefix="dsf-"))
+    try:
+        proc = _popen(argv, tmp_path / "out", launched, tmp)
+        until(lambda: ranks_training(record / "t"), 120, "both ranks training")
+        assert ddpscope_temp_files(tmp)  # the relay's private socket directory, while it runs
+        procs = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=GONE_S) == TORCHRUN_SIGNALLED
+        all_gone(procs)
+        assert ddpscope_temp_files(tmp) == []
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    read_back(record)
 
 
 @pytest.mark.torchrun

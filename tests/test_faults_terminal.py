@@ -23,12 +23,14 @@ from faults import (
     LONG_JOB,
     TORCHRUN_SIGNALLED,
     all_gone,
+    ddpscope_temp_files,
     descendants,
     ends,
     free_tcp_endpoint,
     kill_all,
     leftovers,
     port_free,
+    private_tmp,
     ranks_training,
     read_back,
     torchrun_demo,
@@ -43,8 +45,8 @@ HELP_TEXT = "pause / resume the display"
 STOP = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
 
-def _env() -> dict[str, str]:
-    return job_env(TERM="xterm-256color")
+def _env(**extra: str) -> dict[str, str]:
+    return job_env(TERM="xterm-256color", **extra)
 
 
 def _run_argv(record: Path, endpoint: str, *job: str) -> list[str]:
@@ -75,7 +77,9 @@ def _start_run(
     job_run: tuple[Path, str, list[Terminal]], *job_args: str, argv: list[str] | None = None
 ) -> tuple[Terminal, Path, str]:
     record, endpoint, terms = job_run
-    term = Terminal(argv or _run_argv(record, endpoint, *torchrun_demo(*job_args)), _env(), SIZE)
+    tmp = private_tmp(record.parent)
+    argv = argv or _run_argv(record, endpoint, *torchrun_demo(*job_args))
+    term = Terminal(argv, _env(TMPDIR=str(tmp)), SIZE)
     terms.append(term)
     return term, record, endpoint
 
@@ -84,6 +88,7 @@ def _assert_cleaned_up(term: Terminal, procs: list, record: Path, endpoint: str)
     all_gone(procs)  # torchrun and both workers
     assert port_free(endpoint)
     assert leftovers(record / "t") == []
+    assert ddpscope_temp_files(private_tmp(record.parent)) == []
 
 
 @pytest.mark.torchrun
