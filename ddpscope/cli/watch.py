@@ -215,10 +215,12 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     log_path = job_log_path(env)
     forwarder = _Forwarder()
     hangup = int(getattr(signal, "SIGHUP", 1))
-    lifeline = Lifeline(on_signal=forwarder.handle, terminal_fd=terminal_fd())
-    lifeline.on_terminal_lost = lambda: (
-        None if hangup in lifeline.ignored else forwarder.handle(hangup)
-    )
+
+    def terminal_lost() -> None:
+        if hangup not in lifeline.ignored:
+            forwarder.handle(hangup)
+
+    lifeline = Lifeline(forwarder.handle, terminal_lost, terminal_fd())
     with lifeline:
         with feed, open(log_path, "ab") as log:
             child = start_job(
@@ -234,10 +236,10 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
             run_app(build_app(feed, log_path=log_path, job=child), lifeline)
         report_handshakes(sub, "ddpscope run")
         if child.poll() is None:
-            if lifeline.stopping:
-                why = "terminal lost" if lifeline.signum is None else _signal_name(lifeline.signum)
-                say(f"ddpscope run: {why}; waiting for job {child.pid} to stop")
-            else:
+            if lifeline.signum is not None:
+                name = _signal_name(lifeline.signum)
+                say(f"ddpscope run: {name} passed on; waiting for job {child.pid} to stop")
+            elif not lifeline.terminal_lost:  # (a lost terminal reads nothing)
                 say(
                     f"ddpscope run: watcher closed; job {child.pid} keeps running (output: "
                     f"{log_path}). Waiting for it; Ctrl-C stops it."
