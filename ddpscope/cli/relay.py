@@ -15,6 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ddpscope import config
+from ddpscope.cli.lifeline import say
 
 if TYPE_CHECKING:
     from ddpscope.transport.relay import RelayStats
@@ -154,13 +155,13 @@ class RelayCommand:
                 if every:
                     now = relay.stats()
                     t = time.monotonic()
-                    print(describe(now, last, t - last_t), file=sys.stderr, flush=True)
+                    say(describe(now, last, t - last_t))
                     last, last_t = now, t
         finally:
             relay.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        print(describe(relay.stats(), None, 0.0), file=sys.stderr)
+        say(describe(relay.stats(), None, 0.0))  # the terminal may be gone: that is why we stop
         return 0
 
 

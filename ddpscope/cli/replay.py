@@ -99,7 +99,8 @@ def looks_unfinished(run: object) -> bool:
 
 
 def play(run: object, follow: bool, at_step: int | None) -> int:
-    from ddpscope.cli.watch import run_app
+    from ddpscope.cli.lifeline import Lifeline
+    from ddpscope.cli.watch import run_app, terminal_fd
     from ddpscope.record.reader import RunDir
     from ddpscope.replay.index import RecordingIndex
     from ddpscope.replay.player import ReplayFeed
@@ -108,11 +109,11 @@ def play(run: object, follow: bool, at_step: int | None) -> int:
     assert isinstance(run, RunDir)
     log = os.path.join(run.path, "job.log")  # where `ddpscope run` keeps the job's output
     feed = ReplayFeed(RecordingIndex(run, follow=follow))
-    with feed:
+    with feed, Lifeline(terminal_fd=terminal_fd()) as lifeline:
         if at_step is not None:
             feed.seek_step(at_step)
-        run_app(ReplayApp(feed, log_path=log if os.path.exists(log) else None))
+        run_app(ReplayApp(feed, log_path=log if os.path.exists(log) else None), lifeline)
         problems = list(feed.index.problems)
     for p in problems:
         print(f"ddpscope replay: {p}", file=sys.stderr)
-    return 0
+    return lifeline.exit_status() if lifeline.stopping else 0

@@ -17,18 +17,17 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from types import FrameType
 from typing import Any
 
 import ddpscope
 from ddpscope import config
+from ddpscope.cli.lifeline import STOP_SIGNALS, Lifeline
 
 #: Directory whose sitecustomize.py hooks DDP construction in the child processes.
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(ddpscope.__file__)), "_bootstrap")
@@ -37,9 +36,7 @@ BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(ddpscope.__file__))
 DEFAULT_RECORD_DIR = "runs"
 
 #: The signals a user (or a scheduler) sends to stop a job; the child gets them.
-FORWARDED_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
-)
+FORWARDED_SIGNALS = STOP_SIGNALS
 
 # Run ids become directory names; keep them to characters every filesystem takes.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -140,6 +137,27 @@ def build_env(
     except config.ConfigError as exc:
         raise UsageError(str(exc)) from None
     return env
+
+
+def check_record_dir(env: Mapping[str, str]) -> None:
+    """Raise UsageError when the ranks could not record where ``env`` says.
+
+    Each rank would otherwise find out alone, after the job started, and
+    train unrecorded with a warning in its output.
+    """
+    record = env.get("DDPSCOPE_RECORD", "")
+    if not record:
+        return
+    try:
+        os.makedirs(record, exist_ok=True)
+        # Writing is the only test that holds for root and read-only mounts alike.
+        with tempfile.TemporaryFile(dir=record):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"cannot record into {record}: {exc.strerror or exc}; choose another --record DIR, "
+            "or --record '' to record nothing"
+        ) from None
 
 
 def torchrun_options(command: Sequence[str]) -> dict[str, str] | None:
@@ -273,24 +291,12 @@ class _Forwarder:
     The child runs in its own session, so a Ctrl-C in the terminal reaches
     only this launcher and is delivered to the job exactly once, by us; a
     SIGTERM from a scheduler, which only knows our pid, reaches the job too.
+    The handlers themselves are a :class:`~ddpscope.cli.lifeline.Lifeline`'s.
     """
 
     def __init__(self) -> None:
         self.pgid: int | None = None
         self.pending: list[int] = []
-        self.previous: dict[int, object] = {}
-
-    def install(self) -> None:
-        for sig in FORWARDED_SIGNALS:
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: the caller keeps its own handling
-                return
-
-    def restore(self) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
-        self.previous.clear()
 
     def started(self, pgid: int) -> None:
         self.pgid = pgid
@@ -298,7 +304,7 @@ class _Forwarder:
         for sig in pending:
             self._send(sig)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
+    def handle(self, signum: int) -> None:
         if self.pgid is None:
             self.pending.append(signum)  # arrived while the child was being started
         else:
@@ -337,14 +343,11 @@ def exit_status(returncode: int) -> int:
 def launch(command: list[str], env: Mapping[str, str]) -> int:
     """Run ``command`` to the end; its exit status, or 128 + signal if killed."""
     forwarder = _Forwarder()
-    forwarder.install()
-    try:
+    with Lifeline(on_signal=forwarder.handle):
         child = start_job(command, env, forwarder)
         if isinstance(child, int):
             return child
         rc = child.wait()
-    finally:
-        forwarder.restore()
     return exit_status(rc)
 
 
@@ -421,6 +424,7 @@ class RunCommand:
         try:
             env = build_env(os.environ, args.record, args.endpoint, args.run_id, command)
             relay = wants_relay(command, env, getattr(args, "relay", None))
+            check_record_dir(env)
         except UsageError as exc:
             return self._usage_error(str(exc))
         print(describe(env), file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,12 +17,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ddpscope import config
+from ddpscope.cli.lifeline import Lifeline, say
 
 if TYPE_CHECKING:
-    from textual.app import App
-
     from ddpscope.analysis.live import LiveFeed
     from ddpscope.transport.subscriber import Subscriber
+    from ddpscope.ui.app import WatchApp
 
 EPILOG = """\
 examples:
@@ -46,8 +47,13 @@ EXIT_CANNOT_LISTEN = 3
 GIL_SWITCH_S = 0.001
 
 
-def run_app(app: App[None]) -> None:
-    """Run the UI in this thread with the GIL handed over quickly to it."""
+def run_app(app: WatchApp, lifeline: Lifeline | None = None) -> None:
+    """Run the UI in this thread with the GIL handed over quickly to it; it ends
+    when ``lifeline`` says (a stop signal, the terminal gone) or the user quits."""
+    from ddpscope.ui.terminal import use_tolerant_driver
+
+    app.lifeline = lifeline
+    use_tolerant_driver(app)
     previous = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_S)
     try:
@@ -119,10 +125,19 @@ class WatchCommand:
         except OSError as exc:
             print(f"ddpscope watch: {exc} (is another watcher running?)", file=sys.stderr)
             return EXIT_CANNOT_LISTEN
-        with feed:
-            run_app(build_app(feed, log_path=args.log))
+        with feed, Lifeline(terminal_fd=terminal_fd()) as lifeline:
+            run_app(build_app(feed, log_path=args.log), lifeline)
         report_handshakes(sub, "ddpscope watch")
-        return 0
+        return lifeline.exit_status() if lifeline.stopping else 0
+
+
+def terminal_fd() -> int | None:
+    """The UI's terminal (stdin, where Textual reads keys), if it is one."""
+    try:
+        fd = sys.__stdin__.fileno() if sys.__stdin__ is not None else -1
+    except (OSError, ValueError):
+        return None
+    return fd if fd >= 0 and os.isatty(fd) else None
 
 
 #: The watcher's (and relay's) server keys directory.
@@ -183,6 +198,9 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     The UI stays on the job's final state until the user quits. Quitting
     while the job runs leaves it running: the launcher then waits for it as
     ``--headless`` would (signals are forwarded, its status is returned).
+    A stop signal, or the terminal going away, ends the UI in any state; the
+    job gets the signal (a lost terminal is a SIGHUP, as for a job run in it,
+    unless SIGHUP was ignored: ``nohup``) and the launcher waits for it.
     """
     from ddpscope.cli.run import _Forwarder, exit_status, launch, start_job
     from ddpscope.transport.security import SecurityError
@@ -196,8 +214,14 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
         return launch(command, env)
     log_path = job_log_path(env)
     forwarder = _Forwarder()
-    forwarder.install()
-    try:
+    hangup = int(getattr(signal, "SIGHUP", 1))
+
+    def terminal_lost() -> None:
+        if hangup not in lifeline.ignored:
+            forwarder.handle(hangup)
+
+    lifeline = Lifeline(forwarder.handle, terminal_lost, terminal_fd())
+    with lifeline:
         with feed, open(log_path, "ab") as log:
             child = start_job(
                 command,
@@ -209,17 +233,24 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
             )
             if isinstance(child, int):
                 return child
-            run_app(build_app(feed, log_path=log_path, job=child))
+            run_app(build_app(feed, log_path=log_path, job=child), lifeline)
         report_handshakes(sub, "ddpscope run")
         if child.poll() is None:
-            print(
-                f"ddpscope run: watcher closed; job {child.pid} keeps running (output: "
-                f"{log_path}). Waiting for it; Ctrl-C stops it.",
-                file=sys.stderr,
-                flush=True,
-            )
+            if lifeline.signum is not None:
+                name = _signal_name(lifeline.signum)
+                say(f"ddpscope run: {name} passed on; waiting for job {child.pid} to stop")
+            elif not lifeline.terminal_lost:  # (a lost terminal reads nothing)
+                say(
+                    f"ddpscope run: watcher closed; job {child.pid} keeps running (output: "
+                    f"{log_path}). Waiting for it; Ctrl-C stops it."
+                )
         rc = child.wait()
-    finally:
-        forwarder.restore()
-    print(f"ddpscope run: job output is in {log_path}", file=sys.stderr)
+    say(f"ddpscope run: job output is in {log_path}")
     return exit_status(rc)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -41,6 +41,8 @@ from ddpscope.hooks.steps import StepTracker
 from ddpscope.schema import SCHEMA_VERSION
 
 log = logging.getLogger("ddpscope")
+#: Signals that end a rank with an end message (reason "signal") on the way out.
+_END_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 _LOCK = threading.Lock()
 _HANDLES: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
@@ -83,7 +85,7 @@ class _Process:
         self.handles: list[Handle] = []
         self._finished = False
         self._finishing = False
-        self._sigterm_pending = False
+        self._sigterm_pending = 0
         self.sampler_probe = SamplerProbe(
             post=lambda kind, fields: self.publisher.post(kind, 0, fields),
             current_step=lambda: self.publisher.state.step,
@@ -135,24 +137,26 @@ class _Process:
             h.guard(h.tracker.optimizer_post, opt)
 
     def _install_sigterm(self) -> None:
-        # torchrun SIGTERMs the surviving ranks when one fails. Without a word
-        # from them, a report cannot tell the rank that died first from the
-        # ones that were stopped. Only the default action is replaced: a
-        # user's own handler (checkpoint on preemption) is left alone.
-        try:
-            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._on_sigterm)
-        except (ValueError, OSError):  # not the main thread, or no signals here
-            pass
+        # torchrun SIGTERMs the surviving ranks when one fails, and passes on a
+        # SIGTERM or SIGHUP it gets itself (a scheduler, a lost terminal).
+        # Without a word from them, a report cannot tell the rank that died
+        # first from the ones that were stopped. Only the default action is
+        # replaced: a user's own handler (checkpoint on preemption) is left alone.
+        for sig in _END_SIGNALS:
+            try:
+                if signal.getsignal(sig) is signal.SIG_DFL:
+                    signal.signal(sig, self._on_sigterm)
+            except (ValueError, OSError):  # not the main thread, or no signals here
+                return
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._finishing:
             # Interrupting our own shutdown (after an exception, at exit) would
             # lose its end message: let it finish, then terminate.
-            self._sigterm_pending = True
+            self._sigterm_pending = signum
             return
-        self._sigterm_pending = True
-        self.finish(reason="signal", error="SIGTERM")
+        self._sigterm_pending = signum
+        self.finish(reason="signal", error=signal.Signals(signum).name)
 
     def _on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
         text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
@@ -189,13 +193,14 @@ class _Process:
             self._restore_sigterm()
 
     def _restore_sigterm(self) -> None:
-        try:
-            if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        except (ValueError, OSError):
-            return
+        for sig in _END_SIGNALS:
+            try:
+                if signal.getsignal(sig) == self._on_sigterm:
+                    signal.signal(sig, signal.SIG_DFL)
+            except (ValueError, OSError):
+                return
         if self._sigterm_pending:
-            os.kill(os.getpid(), signal.SIGTERM)  # the one deferred while finishing
+            os.kill(os.getpid(), self._sigterm_pending)  # the one deferred while finishing
 
 
 class Handle:

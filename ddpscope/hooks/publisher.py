@@ -128,7 +128,7 @@ class Publisher:
         self._stuck_key: tuple[str, int] | None = None
         self._writer: RecordWriter | None = None
         if opts.record:
-            self._writer = RecordWriter(opts.record, run_id, rank, header)
+            self._writer = _open_record(opts.record, run_id, rank, header)
         keys = opts.client_keys()
         self._ctx = zmq.Context()
         # A failed handshake (wrong or missing key) never blocks or raises here:
@@ -269,7 +269,13 @@ class Publisher:
             try:
                 self._writer.append(payload)
             except OSError as exc:  # disk full, directory gone: keep the live stream
-                log.warning("ddpscope stopped recording on rank %d: %s", self.rank, exc)
+                log.warning(
+                    "ddpscope: rank %d stopped recording (%s); %s is readable up to its last "
+                    "record, training and live telemetry go on",
+                    self.rank,
+                    exc,
+                    self._writer.path,
+                )
                 self.error = f"recording stopped: {exc}"
                 self._writer.close()
                 self._writer = None
@@ -441,6 +447,24 @@ class Publisher:
         if self._writer is not None:
             self._writer.abandon()
         _ORPHANS.append(self)  # keep alive so no finaliser runs in the child
+
+
+def _open_record(
+    directory: str, run_id: str, rank: int, header: dict[str, Any]
+) -> RecordWriter | None:
+    """The rank's record file, or None (with one warning) when it cannot be made:
+    the rank then trains and publishes live telemetry unrecorded."""
+    try:
+        return RecordWriter(directory, run_id, rank, header)
+    except OSError as exc:
+        log.warning(
+            "ddpscope: rank %d is not recording: cannot write into %s (%s); training and live "
+            "telemetry go on",
+            rank,
+            directory,
+            exc,
+        )
+        return None
 
 
 _PUBLISHERS: list[Publisher] = []

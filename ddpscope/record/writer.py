@@ -2,7 +2,8 @@
 
 Each record goes out in one ``os.write`` on an O_APPEND descriptor, so a rank
 killed with SIGKILL leaves every record that was written whole, and at most
-one torn record at the tail, which the reader reports.
+one torn record at the tail, which the reader reports. A write that fails
+(the disk is full) is cut off again, so such a file ends on a whole record.
 """
 
 from __future__ import annotations
@@ -44,17 +45,34 @@ class RecordWriter:
                 continue
         if self._fd is None:
             raise FileExistsError(f"{self.run_dir}: no free file name for rank {rank}")
-        self._write(
-            PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(head)) + head + U32.pack(crc32(head))
-        )
+        self._end = 0
+        try:
+            self._write(
+                PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, len(head)) + head + U32.pack(crc32(head))
+            )
+        except OSError:
+            self.close()
+            raise
         self.bytes_written = 0
 
     def _write(self, data: bytes) -> None:
+        """Write all of ``data``, or raise OSError with the file as it was before."""
         assert self._fd is not None
         view = memoryview(data)
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
+        try:
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError:
+            # A full disk takes part of a record: cut it off, so the file
+            # still ends on a whole record (truncating frees, it cannot fail
+            # for want of space).
+            try:
+                os.ftruncate(self._fd, self._end)
+            except OSError:
+                pass
+            raise
+        self._end += len(data)
 
     def append(self, payload: bytes) -> None:
         if self._fd is None:

@@ -50,6 +50,7 @@ from ddpscope.transport.security import (
     start_authenticator,
 )
 from ddpscope.transport.sockets import (
+    IpcFiles,
     relay_ranks_in,
     relay_requests_in,
     relay_requests_out,
@@ -276,12 +277,14 @@ class Relay:
         )
         self.recorder: NodeRecorder | None = None
         self._auth = None
+        self._ipc = IpcFiles()
         try:
             self._auth = start_authenticator(self._ctx, keys)
             self._in = relay_ranks_in(self._ctx, listen, hwm, keys)
             self._req_out = relay_requests_out(self._ctx, self.listen_control, keys)
             self._out = relay_watcher_out(self._ctx, upstream, hwm, upstream_keys)
             self._req_in = relay_requests_in(self._ctx, self.upstream_control, upstream_keys)
+            self._ipc.bound(listen, self.listen_control)
         except zmq.ZMQError as exc:
             if self._auth is not None:
                 self._auth.stop()  # type: ignore[attr-defined]
@@ -473,6 +476,7 @@ class Relay:
             # What is queued for the watcher gets a moment to go out.
             self._out.close(linger=1000)
             self._ctx.destroy(linger=0)
+            self._ipc.remove()
 
     def __enter__(self) -> Relay:
         self.start()

@@ -8,6 +8,9 @@ arguments rather than something the caller does afterwards.
 
 from __future__ import annotations
 
+import os
+import stat
+
 import zmq
 
 from ddpscope.schema import MAX_MESSAGE_BYTES
@@ -141,3 +144,36 @@ def relay_requests_out(
     _secure(sock, keys, None)
     sock.bind(endpoint)
     return sock
+
+
+class IpcFiles:
+    """The socket files of the ``ipc://`` endpoints a process bound, to remove at close.
+
+    libzmq leaves them behind (it removes only those of ``ipc://*``). Only a
+    file that is still the one this process bound is removed: another
+    process may have bound the same path since, and it keeps its socket.
+    """
+
+    def __init__(self) -> None:
+        self._bound: list[tuple[str, int]] = []
+
+    def bound(self, *endpoints: str) -> None:
+        for endpoint in endpoints:
+            if not endpoint.startswith("ipc://") or endpoint == "ipc://*":
+                continue
+            path = endpoint[len("ipc://") :]
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISSOCK(st.st_mode):
+                self._bound.append((path, st.st_ino))
+
+    def remove(self) -> None:
+        bound, self._bound = self._bound, []
+        for path, ino in bound:
+            try:
+                if os.stat(path).st_ino == ino:
+                    os.unlink(path)
+            except OSError:
+                pass

@@ -26,7 +26,7 @@ from ddpscope.transport.security import (
     check_bind,
     start_authenticator,
 )
-from ddpscope.transport.sockets import watcher_control, watcher_subscriber
+from ddpscope.transport.sockets import IpcFiles, watcher_control, watcher_subscriber
 
 #: Failed handshakes are looked for at least every this many messages (and
 #: whenever the socket is idle), so the check costs nothing per message.
@@ -54,6 +54,7 @@ class Subscriber:
         self.keys = keys
         self._ctx = zmq.Context()
         self._auth = None
+        self._ipc = IpcFiles()
         self.handshakes = HandshakeWatch("watcher", curve=keys is not None, server=True)
         try:
             self._auth = start_authenticator(self._ctx, keys)
@@ -61,6 +62,7 @@ class Subscriber:
             self.handshakes.watch(self._sub, endpoint)
             self._ctl = watcher_control(self._ctx, control, keys=keys)
             self.handshakes.watch(self._ctl, control)
+            self._ipc.bound(endpoint, control)
         except zmq.ZMQError as exc:
             self._teardown()
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
@@ -118,6 +120,7 @@ class Subscriber:
             self._auth.stop()  # type: ignore[attr-defined]
             self._auth = None
         self._ctx.destroy(linger=0)
+        self._ipc.remove()
 
     def close(self) -> None:
         self._teardown()

@@ -48,6 +48,8 @@ from ddpscope.ui.tabs import VIEWS, ViewBar
 
 #: Seconds between snapshots (the issue asks for 1-4 Hz).
 PULL_S = 0.5
+#: Seconds between asking the lifeline whether to end (a signal, a lost terminal).
+LIFELINE_S = 0.2
 #: Columns from which the findings sit beside the views.
 WIDE = 140
 #: Rows from which (when wide too) ranks, step times and buckets show together.
@@ -66,6 +68,12 @@ class SnapshotSource(Protocol):
     def request_stacks(self, rank: int) -> None: ...
 
     def request_fingerprint(self, rank: int = -1) -> None: ...
+
+
+class Lifeline(Protocol):
+    """What ends the app from outside (ddpscope.cli.lifeline.Lifeline)."""
+
+    def should_stop(self) -> bool: ...
 
 
 class Job(Protocol):
@@ -127,6 +135,8 @@ class WatchApp(App[None]):
         self.view = "ranks"
         self.selected: int | None = None
         self.job_status: int | None = None
+        #: Set before ``run()`` by whoever owns the process's signals and terminal.
+        self.lifeline: Lifeline | None = None
         self._run_id: str | None = None
         self._order: list[int] = []
         # The main screen's widgets, held directly: App.query_one searches the
@@ -164,8 +174,15 @@ class WatchApp(App[None]):
         self._layout()
         self._show_header()
         self.ranks.focus()
+        # Its own timer, not the pull's: a paused app or a modal screen must
+        # still end on a signal or a lost terminal.
+        self.set_interval(LIFELINE_S, self._check_lifeline)
         self.set_interval(self.pull_s, self._pull)
         self._pull()
+
+    def _check_lifeline(self) -> None:
+        if self.lifeline is not None and self.lifeline.should_stop():
+            self.exit()
 
     def on_unmount(self) -> None:
         self.source.listen(None)

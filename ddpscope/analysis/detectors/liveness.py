@@ -698,6 +698,8 @@ class _ExitRun:
     hb_rx: dict[int, int] = field(default_factory=dict)
     signature: tuple[Any, ...] = ()
     silent_seen: set[int] = field(default_factory=set)
+    #: When each rank in ``silent_seen`` was last heard before it fell silent.
+    silent_at: dict[int, int] = field(default_factory=dict)
     #: Highest step count of the other ranks when a stop was first seen: "went on"
     #: means beyond it (under Join a rank may legitimately be ahead before the end).
     baseline: dict[int, int] = field(default_factory=dict)
@@ -760,7 +762,10 @@ class RankExitDetector:
         if signature == st.signature:
             return
         st.signature = signature
-        st.silent_seen |= {s.rank for s in subjects if s.how == "vanished"}
+        for s in subjects:
+            if s.how == "vanished" and s.rank not in st.silent_seen:
+                st.silent_seen.add(s.rank)
+                st.silent_at[s.rank] = s.at_ns
         self._raise(run, book, st, subjects, stops, went_on)
 
     @staticmethod
@@ -877,6 +882,11 @@ class RankExitDetector:
         if not back:
             return
         st.silent_seen -= set(back)
+        # Its newest message is the first since it came back (this runs every tick).
+        silent_s = max(
+            (_view(run, r).last_rx_ns - st.silent_at.pop(r, _view(run, r).last_rx_ns)) / NS
+            for r in back
+        )
         f = book.get("rank_exit", "run")
         if f is None or not f.active:
             return
@@ -888,9 +898,17 @@ class RankExitDetector:
         # Not an exit after all: keep the episode on record, at a lower level.
         book.set_severity(f, "warning")
         f.message = (
-            f"{_plural(back)} went silent for a while and then spoke again (its publisher "
-            "thread was starved: a long call holding the GIL, swapping, a stopped process)."
+            f"{_plural(back)} went silent for {silent_s:.1f} s and then spoke again: it "
+            "resumed, a long stall rather than an exit (its publisher thread was starved: a "
+            "stopped process, swapping, a long call holding the GIL)."
         )
+        f.fix = (
+            "Find what froze the rank for that long on its host (a SIGSTOP or job-control "
+            "suspend, memory pressure and swapping, a native call that holds the GIL): every "
+            "other rank waited for it meanwhile."
+        )
+        f.evidence["silent_s"] = round(silent_s, 1)
+        f.evidence["resolved"] = "the rank resumed"
         st.signature = ()
         book.resolve("rank_exit", "run")
 

@@ -1,0 +1,58 @@
+"""A terminal driver that survives its terminal going away.
+
+Textual writes the screen from a background thread; once the terminal has
+hung up, that thread's write raises EIO and the thread dies. The app's
+next writes then fill the thread's bounded queue and block the event loop
+for good: the app can no longer exit, whatever signal it gets. Writes that
+fail here are dropped instead, so the app can always shut down (the
+lifeline, ddpscope/cli/lifeline.py, tells it when).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import IO, Any
+
+from textual.app import App
+
+
+class _Tolerant:
+    """A text file whose writes and flushes never raise OSError."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    def write(self, text: str) -> int:
+        try:
+            return self._file.write(text)
+        except (OSError, ValueError):
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._file.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+def use_tolerant_driver(app: App[Any]) -> None:
+    """Make ``app`` draw through a driver whose output survives a hangup (POSIX only)."""
+    if sys.platform == "win32":
+        return
+    base = app.driver_class
+    if getattr(base, "_ddpscope_tolerant", False):
+        return
+
+    class TolerantDriver(base):  # type: ignore[valid-type,misc]
+        _ddpscope_tolerant = True
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            file = getattr(self, "_file", None)
+            if file is not None:
+                self._file = _Tolerant(file)
+
+    app.driver_class = TolerantDriver

@@ -1,0 +1,128 @@
+"""A rank stopped for 30 s and resumed, a rank killed from outside: the other
+rank's recording is whole, and the report names what happened to whom."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import ROOT, _teardown_abort_only, job_env
+from faults import descendants, ends, kill_all, ranks_training, read_back, torchrun_demo, until
+
+from ddpscope.record.reader import open_run
+from ddpscope.schema import Step
+
+pytestmark = pytest.mark.torchrun
+
+#: How long the stopped rank stays stopped (the issue's case: a long stall).
+STOPPED_S = 30.0
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    record = tmp_path / "rec"
+    env = job_env(DDPSCOPE_RECORD=str(record), DDPSCOPE_ENDPOINT=f"ipc://{tmp_path}/w.sock")
+    proc = subprocess.Popen(
+        torchrun_demo("--epochs", "6", "--step-sleep-ms", "40"),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    yield proc, record
+    procs = descendants(proc.pid)
+    for p in procs:
+        try:
+            p.resume()  # a test that failed mid-stop must not leave a frozen worker
+        except psutil.Error:
+            pass
+    kill_all([*procs, psutil.Process(proc.pid)] if proc.poll() is None else procs)
+    proc.communicate(timeout=30)
+
+
+def _worker(proc: subprocess.Popen[str], rank: int) -> psutil.Process:
+    for p in descendants(proc.pid):
+        try:
+            if p.environ().get("RANK") == str(rank):
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no worker for rank {rank}")
+
+
+def _run_dir(record: Path) -> Path:
+    until(lambda: record.is_dir() and any(record.iterdir()), 120, "the run directory")
+    return next(record.iterdir())
+
+
+def _report(record: Path) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddpscope", "report", "--json", str(record)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    return json.loads(proc.stdout)
+
+
+def test_a_rank_stopped_for_30_s_then_resumed_is_a_stall_that_resumed_not_an_exit(job) -> None:
+    proc, record = job
+    run_dir = _run_dir(record)
+    until(lambda: ranks_training(run_dir, 5), 120, "both ranks training")
+    worker = _worker(proc, 1)
+    worker.suspend()  # SIGSTOP
+    stopped_at = time.monotonic()
+    time.sleep(STOPPED_S)  # the fault itself is a duration
+    worker.resume()  # SIGCONT
+    stopped = time.monotonic() - stopped_at
+    out, err = proc.communicate(timeout=300)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert proc.returncode == 0 or _teardown_abort_only(done), err[-3000:]
+    assert "done: 96 steps on 2 ranks" in out
+    rec = read_back(record)
+    assert {r: sum(isinstance(m, Step) for m in msgs) for r, msgs in rec.messages.items()} == {
+        0: 96,
+        1: 96,
+    }
+    report = _report(record)
+    (finding,) = [f for f in report["findings"] if f["kind"] == "rank_exit"]
+    assert finding["ranks"] == [1] and finding["severity"] == "warning"
+    assert "resumed" in finding["message"]
+    # The silence it measured is the stop (the rank is heard again within a tick).
+    assert stopped - 5 <= finding["evidence"]["silent_s"] <= stopped + 10, finding
+    assert not [f for f in report["findings"] if f["severity"] == "error"], report["findings"]
+
+
+def test_a_rank_killed_from_outside_like_the_oom_killer_is_named_and_the_other_is_whole(
+    job,
+) -> None:
+    proc, record = job
+    run_dir = _run_dir(record)
+    until(lambda: ranks_training(run_dir, 5), 120, "both ranks training")
+    # The OOM killer ends a process with SIGKILL: nothing of the rank runs after it.
+    _worker(proc, 1).kill()
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0  # torchrun reports its failed worker
+    rec = open_run(str(record))
+    assert [p for p in rec.problems if "rank-00000" in p] == []  # rank 0's file is whole
+    assert ends(rec)[0] and ends(rec)[1] == []  # rank 0 said how it ended; rank 1 could not
+    report = _report(record)
+    (finding,) = [f for f in report["findings"] if f["kind"] == "rank_exit"]
+    assert finding["ranks"] == [1] and finding["severity"] == "error"
+    assert "without an end message" in finding["message"]
+    assert "OOM killer" in finding["message"] and "dmesg" in finding["fix"]
+    assert finding["evidence"]["stopped"]["1"]["pid"] == _pid_of(record, 1)
+    assert "0" in finding["evidence"]["others"]  # what became of rank 0 is said too
+
+
+def _pid_of(record: Path, rank: int) -> int:
+    (path,) = next(record.iterdir()).glob(f"rank-{rank:05d}-*.ddps")
+    return int(path.stem.split("-")[2])
