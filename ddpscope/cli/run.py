@@ -237,6 +237,23 @@ def wants_relay(command: Sequence[str], env: Mapping[str, str], flag: bool | Non
     return torchrun_nnodes(command) > 1
 
 
+#: A Unix socket path holds at most 107 bytes (sun_path); "/ranks.sock" takes 11.
+_MAX_SOCKET_DIR = 107 - len("/ranks.sock")
+
+
+def _socket_dir() -> str:
+    """A private (0700) directory for the relay's socket, short enough for a socket path.
+
+    A long TMPDIR (a cluster's per-job scratch path) makes the default one too
+    long; /tmp is then used instead.
+    """
+    path = tempfile.mkdtemp(prefix="ddpscope-relay-")
+    if len(path) <= _MAX_SOCKET_DIR:
+        return path
+    os.rmdir(path)
+    return tempfile.mkdtemp(prefix="ddpscope-", dir="/tmp")
+
+
 class NodeRelay:
     """A relay inside this launcher: the ranks of this node publish to it over ipc://."""
 
@@ -245,7 +262,7 @@ class NodeRelay:
 
         opts = config.load(env=env)
         self.upstream = opts.endpoint
-        self._dir = tempfile.mkdtemp(prefix="ddpscope-relay-")  # mode 0700: this user only
+        self._dir = _socket_dir()
         self.listen = f"ipc://{self._dir}/ranks.sock"
         try:
             self.relay = Relay(
