@@ -219,6 +219,12 @@ def _into(term: Terminal, state: str) -> None:
     elif state == "paused":
         term.send(" ")
         term.wait_for("PAUSED")
+    elif state == "rank-detail":
+        term.send("\r")  # the first rank's detail
+        term.wait_for("local rank")
+    elif state == "go-to-prompt":
+        term.send("g")
+        term.wait_for("Go to step")
 
 
 @pytest.mark.parametrize("state", ["main-screen", "help-screen", "paused"])
@@ -279,7 +285,7 @@ def _replay_up(term: Terminal) -> None:
 
 
 @pytest.mark.torchrun
-@pytest.mark.parametrize("state", ["main-screen", "help-screen"])
+@pytest.mark.parametrize("state", ["main-screen", "help-screen", "rank-detail", "go-to-prompt"])
 def test_replay_whose_terminal_is_lost_exits(replay_term, recorded: Path, state: str) -> None:
     _replay_up(replay_term)
     _into(replay_term, state)
