@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 
 from ddpscope import config
 from ddpscope.config import ConfigError, Options
-from ddpscope.hooks import collectives, comm, recipe, runinfo
+from ddpscope.hooks import collectives, comm, compiled, recipe, runinfo
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
@@ -102,6 +102,7 @@ class _Process:
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_optimizer_step_post_hook(self._optimizer_post),
         ]
+        compiled.install(self._on_compiled)
         self.publisher.add_periodic(self._periodic)
         self.publisher.on_request("fingerprint", self._request_fingerprint)
         self._excepthook = sys.excepthook
@@ -121,6 +122,11 @@ class _Process:
         for h in self.handles:
             out.extend(h.periodic())
         return out
+
+    def _on_compiled(self, original: Any, wrapper: Any) -> None:
+        for h in self.handles:
+            if h.model is original:
+                h.guard(h.follow_compiled, wrapper)
 
     def _request_fingerprint(self) -> None:
         for h in self.handles:
@@ -180,6 +186,7 @@ class _Process:
                 pass
             for hook in self._opt_hooks:
                 hook.remove()
+            compiled.uninstall()
             if self.timer is not None:
                 collectives.uninstall(self.timer)
             self.recipe.finish()
@@ -234,6 +241,8 @@ class Handle:
         )
         self._info.update(extra or {})
         watch = proc.recipe.add_model(model, index)
+        self._watch = watch
+        self._compiled_wrapper = False
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
         self._hparams_step = 0
@@ -282,6 +291,28 @@ class Handle:
             collectives.install(proc.timer)
         proc.timer.wrap_buffer_sync(model, self.tracker)
 
+    def follow_compiled(self, wrapper: Any) -> None:
+        """``torch.compile(ddp_model)`` made ``wrapper``: time the forward from its hooks.
+
+        The hooks move from the DDP module to the wrapper, whose hooks run in
+        the interpreter around the compiled call. Left on the DDP module they
+        would be traced as no-ops, and any forward hook sends nn.Module down
+        its slower hooked call path, which dynamo breaks one more time.
+        """
+        if self._compiled_wrapper or not self.tracker.enabled:
+            return
+        self._compiled_wrapper = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [
+            wrapper.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
+            wrapper.register_forward_hook(self._guarded(self.tracker.forward_post)),
+            wrapper.register_forward_pre_hook(
+                self._guarded(self._watch.forward_pre), with_kwargs=True
+            ),
+        ]
+        self._info["compiled"] = "torch.compile(ddp_model)"
+
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
         return _ModuleHook(fn, self.tracker.fail)
 
@@ -304,6 +335,9 @@ class Handle:
         return fields
 
     def periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
+        if not self._compiled_wrapper and compiled.compiled_in_place(self.model):
+            self._info["compiled"] = "ddp_model.compile()"
+            self._info["unavailable"] = {"forward": compiled.IN_PLACE, "data": compiled.IN_PLACE}
         out = [("run_info", self.index, self._run_info())]
         if self.tracker.layout_gen:
             out.append(("buckets", self.index, self.tracker.layout_fields()))
@@ -345,6 +379,9 @@ class Handle:
         self.tracker.enabled = False
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _noop_hook(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -367,6 +404,10 @@ class _ModuleHook:
         self.on_error = on_error
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            # Traced by dynamo (torch.compile(ddp_model)): leave no trace in
+            # the graph. The compiled module's own hooks do the timing.
+            return None
         try:
             return self.fn(*args, **kwargs)
         except Exception as exc:
@@ -405,8 +446,24 @@ def _type_name(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _compiled_ddp(model: Any) -> Any:
+    """The DDP model inside ``torch.compile(ddp_model)``, else None."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, DistributedDataParallel) and isinstance(model, torch.nn.Module):
+        return inner
+    return None
+
+
+def _fabric_ddp(model: Any) -> Any:
+    """The DDP model inside what Lightning Fabric's ``setup`` returns, else None."""
+    inner = getattr(model, "_forward_module", None)
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
 def _check_model(model: Any) -> None:
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) or _compiled_ddp(model) is not None:
+        return
+    if _fabric_ddp(model) is not None:
         return
     if isinstance(model, DataParallel):
         raise TypeError(
@@ -426,6 +483,11 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
     """Attach ddpscope to a DDP model. Safe to call twice (returns the same handle)."""
     global _PROCESS
     _check_model(model)
+    wrapper = None
+    if _fabric_ddp(model) is not None:
+        model = _fabric_ddp(model)  # its forward calls the DDP module: hooks there fire
+    if _compiled_ddp(model) is not None:
+        wrapper, model = model, _compiled_ddp(model)
     opts = config.load(options)  # bad options are the caller's error: raise them
     with _LOCK:
         existing = _HANDLES.get(model)
@@ -437,6 +499,8 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
                     "variables or `ddpscope run` flags instead.",
                     ", ".join(sorted(options)),
                 )
+            if wrapper is not None:
+                existing.guard(existing.follow_compiled, wrapper)
             return existing
         if opts.disable:
             return InertHandle("DDPSCOPE_DISABLE is set")
@@ -453,7 +517,9 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
             log.warning("ddpscope could not attach and is off on this rank: %r", exc)
             return InertHandle(f"attach failed: {exc!r}")
         _HANDLES[model] = handle
-        return handle
+    if wrapper is not None:
+        handle.guard(handle.follow_compiled, wrapper)
+    return handle
 
 
 def current_handles() -> list[Handle]:
@@ -466,3 +532,7 @@ def _reset_for_tests() -> None:
         _PROCESS.finish(reason="close")
     _PROCESS = None
     _HANDLES.clear()
+
+
+#: Whether torch.compile leaves ddpscope's module hooks to the interpreter.
+HOOKS_EAGER_UNDER_COMPILE = compiled.run_eagerly(_ModuleHook.__call__)

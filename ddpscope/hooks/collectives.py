@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpscope.hooks import recipe
+from ddpscope.hooks import compiled, recipe
 from ddpscope.hooks.recipe import site_of, user_frame
 
 log = logging.getLogger("ddpscope")
@@ -134,11 +134,12 @@ class CollectiveTimer:
 
     def _active(self) -> bool:
         return (
-            self.enabled
+            # First: traced by dynamo, the reads below would break the graph.
+            not torch.compiler.is_compiling()
+            and self.enabled
             and not self.depth
             and threading.get_ident() == self.ident
             and os.getpid() == self.pid  # a forked DataLoader worker: not ours
-            and not torch.compiler.is_compiling()
         )
 
     # --- torch.distributed functions -------------------------------------------
@@ -246,11 +247,19 @@ def active() -> CollectiveTimer | None:
     return _timer
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Dynamo enters these wrappers as frames of their own when DDP's forward is
+    # compiled; run them as Python so that they break no graph (hooks/compiled.py).
+    compiled.run_eagerly(fn)
+    return fn
+
+
 def _work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @_eager
     @functools.wraps(orig)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         timer = _timer
-        if timer is None:
+        if timer is None or torch.compiler.is_compiling():
             return orig(self, *args, **kwargs)
         return timer.wait(orig, self, args, kwargs)
 
@@ -258,10 +267,12 @@ def _work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _buffer_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @_eager
     @functools.wraps(orig)
     def _distributed_broadcast_coalesced(self: Any, *args: Any, **kwargs: Any) -> Any:
         timer = _timer
-        if timer is None:
+        if timer is None or torch.compiler.is_compiling():
+            # torch.compile(ddp_model) traces DDP's forward: leave its broadcast as it was.
             return orig(self, *args, **kwargs)
         return timer.buffer_sync(orig, self, args, kwargs)
 
