@@ -312,6 +312,7 @@ class Handle:
             ),
         ]
         self._info["compiled"] = "torch.compile(ddp_model)"
+        self.publisher.post("run_info", self.index, self._run_info())
 
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
         return _ModuleHook(fn, self.tracker.fail)
