@@ -26,7 +26,7 @@ import pytest
 from conftest import ROOT, job_env, torchrun
 
 from ddpscope.record import open_run
-from ddpscope.schema import RunInfo, SamplerPass, Step
+from ddpscope.schema import Fingerprint, RunInfo, SamplerPass, Step
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
@@ -350,6 +350,11 @@ def test_a_compiled_model_trains_watched_with_no_extra_graph_break(
     expected = "torch.compile(ddp_model)" if wrap == "compile-ddp" else ""
     assert {i.compiled for i in infos} == {expected}
     assert all(i.unavailable == {} for i in infos)
+    finals = {
+        r: [m.params for m in ms if isinstance(m, Fingerprint) and m.reason == "final"]
+        for r, ms in open_run(str(rec)).messages.items()
+    }
+    assert finals[0] and finals[0] == finals[1], "weights fingerprinted, equal on both ranks"
     assert serious(report(rec)) == [], brief(serious(report(rec)))
 
 
@@ -369,3 +374,43 @@ def test_random_split_without_a_generator_is_named_as_the_overlap_cause(
     assert "random_split" in found[0]["message"]
     assert "generator=torch.Generator().manual_seed(" in found[0]["fix"]
     assert found[0]["evidence"]["overlap"]["subset_index_lists"] == 2
+
+
+# --- docs/integrations.md ------------------------------------------------------------
+
+DOC = ROOT / "docs" / "integrations.md"
+_EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
+
+
+def _examples() -> dict[str, str]:
+    return dict(_EXAMPLE.findall(DOC.read_text()))
+
+
+def test_integrations_doc_has_its_examples() -> None:
+    assert sorted(_examples()) == ["compiled.py", "hf_trainer_callback.py", "lightning_callback.py"]
+
+
+@pytest.mark.parametrize("name", sorted(_examples()))
+def test_integrations_doc_example_runs_watched_as_documented(
+    tmp_path: Path, endpoint: str, name: str
+) -> None:
+    script = tmp_path / name
+    script.write_text(_examples()[name])
+    command = f"DDPSCOPE_RECORD=runs torchrun --nproc_per_node=2 {name}"
+    assert command in DOC.read_text(), "the documented command is the one tested"
+    rec = tmp_path / "runs"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", name],
+        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
+    # gloo may abort a rank at interpreter exit on this torch (see conftest); the
+    # recording's end messages then tell whether training finished.
+    teardown = "terminate called without an active exception" in proc.stderr
+    assert proc.returncode == 0 or teardown, proc.stderr[-4000:]
+    steps = steps_of(rec)
+    assert sorted(steps) == [0, 1] and all(len(ss) >= 10 for ss in steps.values())
+    assert serious(report(rec)) == [], brief(serious(report(rec)))
