@@ -37,6 +37,9 @@ Each index is first mapped through the Subset chain (``Subset`` and anything
 with ``.dataset`` and ``.indices``) to the index of the innermost dataset, so
 manual sharding with Subsets compares correctly across ranks. Then:
 
+* at ``iter()``, ``subset_digest``: a blake2b-64 digest of the real indices the
+  Subset chain keeps (computed once per loader and index list), which tells a
+  split shared by all ranks from a ``random_split`` drawn on each;
 * ``count``, and a blake2b-64 digest of ``array('q', batch)`` bytes, which is
   identical across processes for identical orders;
 * ``head``: the first 16 real indices;

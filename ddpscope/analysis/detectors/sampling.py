@@ -43,7 +43,10 @@ the finding is kept but marked inactive.
 not the world size, seeds or ``shuffle`` that differ across ranks, two ranks
 passing the same sampler rank. (a) At the first step of a pass over a
 non-distributed sampler that draws all ``len(dataset)`` indices of an unwrapped
-dataset on two or more ranks. (c) At each pass end, measured: the sketches of
+dataset on two or more ranks, through the stock BatchSampler only: a batch
+sampler of its own may shard above the sampler (accelerate's BatchSamplerShard
+keeps each rank's own batches of one shared order), so what such a loader
+yields is left to (c). (c) At each pass end, measured: the sketches of
 corresponding passes are put in one table at a common power-of-two modulus (an
 index in two ranks' sketches was drawn by both), and a rank's overlap is the
 share of its sketch points also held by another rank, after removing what
