@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d
 NPROC ?= 2
 RUNS ?= runs
 
-.PHONY: setup demo test lint bench hooks clean
+.PHONY: setup demo test test-frameworks lint bench hooks clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The tier of real Lightning, transformers/accelerate and torch.compile jobs
+# alone (`make test` runs it too).
+test-frameworks: $(STAMP)
+	$(PY) -m pytest -q -m frameworks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpscope tests demos benchmarks

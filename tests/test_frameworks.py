@@ -224,6 +224,17 @@ def test_lightning_data_straggler_is_named_with_its_rank(tmp_path: Path, endpoin
     assert [f["ranks"] for f in found] == [[1]], brief(found)
 
 
+@pytest.mark.parametrize("attach", [False, True], ids=["zero-code", "attach"])
+def test_lightning_fabric_ddp_is_watched(tmp_path: Path, endpoint: str, attach: bool) -> None:
+    flags = ["--attach"] if attach else []
+    rec = record(tmp_path, endpoint, str(JOBS / "fabric_job.py"), *flags, zero_code=not attach)
+    steps = steps_of(rec)
+    # 512 samples, 32 per rank and step, 2 ranks, 2 epochs.
+    assert sorted(steps) == [0, 1] and all(len(ss) == 16 for ss in steps.values())
+    assert_phases_add_up(steps)
+    assert serious(report(rec)) == [], brief(serious(report(rec)))
+
+
 # --- Hugging Face ----------------------------------------------------------------
 
 
