@@ -137,12 +137,9 @@ class RunInfo(Message):
     device_expected: str = ""
     #: UUID of the model's GPU ("" on CPU or when unknown).
     device_uuid: str = ""
-    #: How the DDP model is compiled: "" (eager), "torch.compile(ddp_model)",
-    #: "ddp_model.compile()".
+    #: How the DDP model is compiled: "" (eager, or DDP around a compiled module),
+    #: "torch.compile(ddp_model)", "ddp_model.compile()".
     compiled: str = ""
-    #: Signals this rank cannot measure (a Step field's phase: "forward", "data"), each
-    #: with why.
-    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

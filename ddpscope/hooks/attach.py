@@ -123,10 +123,15 @@ class _Process:
             out.extend(h.periodic())
         return out
 
-    def _on_compiled(self, original: Any, wrapper: Any) -> None:
+    def _on_compiled(self, original: Any, compiled_fn: Any) -> Any:
+        in_place = getattr(original, "__func__", None) is torch.nn.Module._call_impl
+        owner = getattr(original, "__self__", None) if in_place else None
         for h in self.handles:
             if h.model is original:
-                h.guard(h.follow_compiled, wrapper)
+                h.guard(h.follow_compiled, compiled_fn)
+            elif owner is not None and h.model is owner:
+                return h.wrap_compiled_call(compiled_fn)
+        return None
 
     def _request_fingerprint(self) -> None:
         for h in self.handles:
@@ -256,6 +261,11 @@ class Handle:
         self.comm = comm.wrap(model)
         if self.comm is not None:
             self.comm.tracker = self.tracker
+        if compiled.compiled_in_place(model):
+            # ddp_model.compile() ran before attach: wrap what it made, as if we had seen it.
+            model._compiled_call_impl = self.wrap_compiled_call(
+                model._compiled_call_impl, announce=False
+            )
         self.publisher.post("run_info", index, self._run_info())
         if opts.checksum_every != -1:
             self._fingerprint(0, "initial")
@@ -314,6 +324,36 @@ class Handle:
         self._info["compiled"] = "torch.compile(ddp_model)"
         self.publisher.post("run_info", self.index, self._run_info())
 
+    def wrap_compiled_call(
+        self, compiled_fn: Callable[..., Any], announce: bool = True
+    ) -> Callable[..., Any]:
+        """``ddp_model.compile()``: run the hooks around the compiled call, not in it."""
+        if self._compiled_wrapper or not self.tracker.enabled:
+            return compiled_fn
+        self._compiled_wrapper = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        model = self.model
+        pre = self._guarded(self.tracker.forward_pre)
+        post = self._guarded(self.tracker.forward_post)
+        watch = self._guarded(self._watch.forward_pre)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.tracker.enabled:
+                pre(model, args)
+                watch(model, args, kwargs)
+            out = compiled_fn(*args, **kwargs)
+            if self.tracker.enabled:
+                post(model, args, out)
+            return out
+
+        compiled.run_eagerly(call)
+        self._info["compiled"] = "ddp_model.compile()"
+        if announce:
+            self.publisher.post("run_info", self.index, self._run_info())
+        return call
+
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
         return _ModuleHook(fn, self.tracker.fail)
 
@@ -336,9 +376,6 @@ class Handle:
         return fields
 
     def periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
-        if not self._compiled_wrapper and compiled.compiled_in_place(self.model):
-            self._info["compiled"] = "ddp_model.compile()"
-            self._info["unavailable"] = {"forward": compiled.IN_PLACE, "data": compiled.IN_PLACE}
         out = [("run_info", self.index, self._run_info())]
         if self.tracker.layout_gen:
             out.append(("buckets", self.index, self.tracker.layout_fields()))

@@ -1,19 +1,24 @@
 """Keeping ddpscope's probes working, and out of the graph, under ``torch.compile``.
 
-Two shapes occur in real scripts:
+Three shapes occur in real scripts:
 
 - ``DDP(torch.compile(model))``: DDP's own hooks (ours among them) run
   outside the compiled module, as in eager mode. Nothing to do.
 - ``torch.compile(ddp_model)``: the DDP module's ``__call__``, hooks
   included, is traced by dynamo. A traced hook that reads the clock breaks
-  the graph, so :class:`ddpscope.hooks.attach._ModuleHook` returns at once
-  while dynamo traces (``torch.compiler.is_compiling()`` is a constant to it:
-  the hook leaves nothing in the graph). The forward is then timed from the
-  ``OptimizedModule`` that ``torch.compile`` returns: its own hooks run in
-  the interpreter, around the compiled call. ``torch.compile`` is wrapped to
-  see that module being made; if a script compiles some other way
-  (``ddp_model.compile()``, which compiles ``_call_impl`` in place), the
-  run info says that the forward and data phases are unavailable, and why.
+  the graph, and any forward hook sends nn.Module down its slower hooked call
+  path, which dynamo breaks once more. So ``torch.compile`` is wrapped to see
+  the ``OptimizedModule`` being made, and the hooks move to it: its own hooks
+  run in the interpreter, around the compiled call.
+- ``ddp_model.compile()``: nn.Module compiles its own ``_call_impl`` with
+  ``torch.compile`` and calls the result in its place. The hooks leave the
+  DDP module and the compiled call is handed back wrapped in a function that
+  runs them around it, in the interpreter; if the model was compiled before
+  ddpscope attached, attach wraps what is there in the same way.
+
+Wherever dynamo still meets one of ddpscope's functions (a hook left in place,
+the collective wrappers DDP's forward calls), it runs as plain Python or traces
+to nothing: see :func:`run_eagerly`.
 
 Bucket timing needs nothing: DDP's reducer calls the comm hook from C++ once a
 bucket's gradients are ready, compiled or not (DDPOptimizer only splits the
@@ -36,14 +41,7 @@ log = logging.getLogger("ddpscope")
 _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
 _ours: Callable[..., Any] | None = None
-_on_compiled: Callable[[Any, Any], None] | None = None
-
-#: Why a signal is missing when the DDP module itself is compiled in place.
-IN_PLACE = (
-    "the DDP module's forward is compiled in place (module.compile()); ddpscope's forward "
-    "hooks are traced as no-ops to keep the graph whole, so forward and data time fall "
-    "into 'other'. Compile with model = torch.compile(ddp_model) to keep them."
-)
+_on_compiled: Callable[[Any, Any], Any] | None = None
 
 
 def run_eagerly(*fns: Any) -> bool:
@@ -72,8 +70,9 @@ def run_eagerly(*fns: Any) -> bool:
         return False
 
 
-def install(on_compiled: Callable[[Any, Any], None]) -> None:
-    """Call ``on_compiled(original, compiled)`` whenever ``torch.compile`` wraps a module."""
+def install(on_compiled: Callable[[Any, Any], Any]) -> None:
+    """Call ``on_compiled(original, compiled)`` whenever ``torch.compile`` wraps a module
+    or a module's bound method; what it returns, if not None, replaces ``compiled``."""
     global _original, _ours, _on_compiled
     with _lock:
         _on_compiled = on_compiled
@@ -85,11 +84,17 @@ def install(on_compiled: Callable[[Any, Any], None]) -> None:
         def compile(*args: Any, **kwargs: Any) -> Any:
             out = orig(*args, **kwargs)
             told = _on_compiled
-            if told is not None and args and isinstance(args[0], torch.nn.Module):
+            target = args[0] if args else None
+            if told is not None and isinstance(
+                getattr(target, "__self__", target), torch.nn.Module
+            ):
                 try:
-                    told(args[0], out)
+                    replaced = told(target, out)
                 except Exception as exc:  # never fail the user's compile
                     log.warning("ddpscope: could not follow torch.compile: %r", exc)
+                    replaced = None
+                if replaced is not None:
+                    return replaced
             return out
 
         _original, _ours = orig, compile
@@ -110,4 +115,4 @@ def compiled_in_place(model: Any) -> bool:
     return getattr(model, "_compiled_call_impl", None) is not None
 
 
-__all__ = ["IN_PLACE", "compiled_in_place", "install", "run_eagerly", "uninstall"]
+__all__ = ["compiled_in_place", "install", "run_eagerly", "uninstall"]

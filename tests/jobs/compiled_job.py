@@ -18,8 +18,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--wrap", choices=["compile-ddp", "ddp-compile", "eager"], default="compile-ddp")
-    p.add_argument("--backend", default="aot_eager")
+    p.add_argument(
+        "--wrap",
+        choices=["compile-ddp", "ddp-compile", "inplace", "inplace-first", "eager"],
+        default="compile-ddp",
+    )
+    p.add_argument("--backend", default="inductor")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--samples", type=int, default=1024)
     p.add_argument("--batch", type=int, default=32)
@@ -35,14 +39,20 @@ def main() -> None:
     # Small buckets: DDPOptimizer then splits the compiled graph at bucket boundaries.
     if args.wrap == "ddp-compile":
         model = DDP(torch.compile(net, backend=args.backend), bucket_cap_mb=1)
-        ddp = model
     else:
-        ddp = DDP(net, bucket_cap_mb=1)
-        model = torch.compile(ddp, backend=args.backend) if args.wrap == "compile-ddp" else ddp
-    if args.attach:
+        model = DDP(net, bucket_cap_mb=1)
+    if args.attach and args.wrap != "inplace-first":
         import ddpscope
 
-        ddpscope.attach(model)  # the compiled wrapper, or DDP around a compiled module
+        ddpscope.attach(model)
+    if args.wrap == "compile-ddp":
+        model = torch.compile(model, backend=args.backend)
+    elif args.wrap in ("inplace", "inplace-first"):
+        model.compile(backend=args.backend)
+    if args.attach and args.wrap == "inplace-first":
+        import ddpscope
+
+        ddpscope.attach(model)  # after the in-place compile
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples, 32, generator=g)
     data = TensorDataset(x, (x[:, :4].sum(1) > 0).long())
