@@ -167,9 +167,12 @@ class StepTracker:
             return
         t = self.stamp()
         if any(e[0] == FORWARD for e in self._open):
-            # The same forward seen twice (a wrapper calling this module).
-            self._open.append([-1, None, False])
-            return
+            # The last forward never returned (an exception the script caught, as
+            # skip-the-batch-on-OOM loops do): forget it, or it would hold every
+            # later forward as nested in it.
+            while self._open and self._open.pop()[0] != FORWARD:
+                pass
+            self._prev_end = t  # the failed forward's time is "other", not data
         if self._synced and not self._open:
             # A synced backward without an optimizer step after it: GradScaler
             # skipped the step, or the update is done by hand.
@@ -203,8 +206,6 @@ class StepTracker:
             return
         t = self.stamp()
         top = self._open.pop() if self._open else None
-        if top is not None and top[0] == -1:
-            return  # the inner call of a forward seen twice
         if top is not None and top[0] == FORWARD:
             if top[1] is not None:
                 self._iv.append((FORWARD, top[1], t))
@@ -367,8 +368,7 @@ class StepTracker:
         if self._open:
             top = self._open[-1]
             if top[1] is not None:
-                if top[0] >= 0:
-                    self._iv.append((top[0], top[1], t))
+                self._iv.append((top[0], top[1], t))
                 top[1] = None
 
     def _resume(self, t: int, after_backward: bool) -> None:
