@@ -37,6 +37,7 @@ COMPILED = str(JOBS / "compiled_job.py")
 SPLIT = str(JOBS / "split_job.py")
 #: A data-loading stall far above the noise of a shared 2-core machine.
 SLOW_MS = "40"
+SAMPLING_KINDS = ("unsharded_data", "shard_overlap", "missing_set_epoch", "uneven_inputs")
 #: Clock reads of one step are taken at slightly different points than its bounds.
 SLACK_NS = 200_000
 
@@ -292,7 +293,8 @@ def test_every_rank_taking_the_same_batches_under_accelerate_is_named(
     tmp_path: Path, endpoint: str
 ) -> None:
     rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--same-batches")
-    found = serious(report(rec))
+    # The sampling findings only: timing ones are not what this job is about.
+    found = [f for f in serious(report(rec)) if f["kind"] in SAMPLING_KINDS]
     assert [(f["kind"], f["ranks"]) for f in found] == [("unsharded_data", [0, 1])], brief(found)
     assert found[0]["evidence"]["overlap"]["overlap_max"] > 0.9
 
