@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d
 NPROC ?= 2
 RUNS ?= runs
 
-.PHONY: setup demo test lint bench hooks clean
+.PHONY: setup demo test test-frameworks lint bench hooks clean
 
 setup: $(STAMP)
 
@@ -18,6 +18,10 @@ $(STAMP): pyproject.toml Makefile
 	# warns without it and all_gather_object needs it.
 	$(PY) -m pip install -q torch==2.13.0 numpy
 	$(PY) -m pip install -q -e '.[dev]'
+	# The frameworks test tier runs real installs, pinned; torch is named again so
+	# that the resolver keeps the CPU wheel instead of pulling another build.
+	$(PY) -m pip install -q torch==2.13.0 pytorch-lightning==2.6.6 transformers==5.23.0 \
+		accelerate==1.15.0
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -31,6 +35,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The tier of real Lightning, transformers/accelerate and torch.compile jobs
+# alone (`make test` runs it too).
+test-frameworks: $(STAMP)
+	$(PY) -m pytest -q -m frameworks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpscope tests demos benchmarks

@@ -137,6 +137,9 @@ class RunInfo(Message):
     device_expected: str = ""
     #: UUID of the model's GPU ("" on CPU or when unknown).
     device_uuid: str = ""
+    #: How the DDP model is compiled: "" (eager, or DDP around a compiled module),
+    #: "torch.compile(ddp_model)", "ddp_model.compile()".
+    compiled: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -278,6 +281,9 @@ class SamplerPass(Message):
     padded: int = 0
     #: How many Subset-like wrappers were seen through to reach real dataset indices.
     subset_depth: int = 0
+    #: blake2b-64 of the real dataset indices the Subset chain keeps, in order (0: no
+    #: Subset, or not computed). Equal on every rank when the split is shared.
+    subset_digest: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,9 +8,13 @@ import sys
 
 import pytest
 
+#: Optional integrations (extras ddpscope[lightning], ddpscope[hf]): only their own
+#: modules may import them.
+FRAMEWORKS = ("pytorch_lightning", "lightning", "transformers", "accelerate")
+
 # module -> modules it must never pull in
 BOUNDARIES = {
-    "ddpscope": ("torch", "textual"),
+    "ddpscope": ("torch", "textual", *FRAMEWORKS),
     "ddpscope.schema": ("torch", "textual"),
     "ddpscope.config": ("torch", "textual"),
     "ddpscope.record": ("torch", "textual"),
@@ -32,9 +36,16 @@ BOUNDARIES = {
     "ddpscope.ui.replay": ("torch",),
     "ddpscope.cli.watch": ("torch", "textual"),
     "ddpscope.ui.app": ("torch",),
-    "ddpscope.cli.main": ("torch", "textual"),
-    # Rank side: torch yes, textual never.
-    "ddpscope.hooks.attach": ("textual",),
+    "ddpscope.cli.main": ("torch", "textual", *FRAMEWORKS),
+    "ddpscope.cli.run": ("torch", "textual", *FRAMEWORKS),
+    # Rank side: torch yes, textual never. torch._dynamo (0.7 s to import) only
+    # when the script compiles.
+    "ddpscope.hooks.attach": ("textual", "torch._dynamo", *FRAMEWORKS),
+    "ddpscope.hooks.compiled": ("textual", "torch._dynamo", *FRAMEWORKS),
+    # Each integration pulls in its framework, not the UI (Lightning itself may
+    # import transformers when it is installed, so that is not checked there).
+    "ddpscope.lightning": ("textual",),
+    "ddpscope.hf": ("textual", "pytorch_lightning", "lightning"),
     "ddpscope.hooks.publisher": ("textual",),
     "ddpscope.hooks.steps": ("textual",),
     "ddpscope.hooks.comm": ("textual",),

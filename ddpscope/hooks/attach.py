@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 
 from ddpscope import config
 from ddpscope.config import ConfigError, Options
-from ddpscope.hooks import collectives, comm, recipe, runinfo
+from ddpscope.hooks import collectives, comm, compiled, recipe, runinfo
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
@@ -104,6 +104,7 @@ class _Process:
             register_optimizer_step_pre_hook(self._optimizer_pre),
             register_optimizer_step_post_hook(self._optimizer_post),
         ]
+        compiled.install(self._on_compiled)
         self.publisher.add_periodic(self._periodic)
         self.publisher.on_request("fingerprint", self._request_fingerprint)
         self._excepthook = sys.excepthook
@@ -123,6 +124,16 @@ class _Process:
         for h in self.handles:
             out.extend(h.periodic())
         return out
+
+    def _on_compiled(self, original: Any, compiled_fn: Any) -> Any:
+        in_place = getattr(original, "__func__", None) is torch.nn.Module._call_impl
+        owner = getattr(original, "__self__", None) if in_place else None
+        for h in self.handles:
+            if h.model is original:
+                h.guard(h.follow_compiled, compiled_fn)
+            elif owner is not None and h.model is owner:
+                return h.wrap_compiled_call(compiled_fn)
+        return None
 
     def _request_fingerprint(self) -> None:
         for h in self.handles:
@@ -184,6 +195,7 @@ class _Process:
                 pass
             for hook in self._opt_hooks:
                 hook.remove()
+            compiled.uninstall()
             if self.timer is not None:
                 collectives.uninstall(self.timer)
             self.recipe.finish()
@@ -239,6 +251,8 @@ class Handle:
         )
         self._info.update(extra or {})
         watch = proc.recipe.add_model(model, index)
+        self._watch = watch
+        self._compiled_wrapper = False
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
         self._hparams_step = 0
@@ -252,6 +266,11 @@ class Handle:
         self.comm = comm.wrap(model)
         if self.comm is not None:
             self.comm.tracker = self.tracker
+        if compiled.compiled_in_place(model):
+            # ddp_model.compile() ran before attach: wrap what it made, as if we had seen it.
+            model._compiled_call_impl = self.wrap_compiled_call(
+                model._compiled_call_impl, announce=False
+            )
         self.publisher.post("run_info", index, self._run_info())
         if opts.checksum_every != -1:
             self._fingerprint(0, "initial")
@@ -286,6 +305,59 @@ class Handle:
             proc.timer = collectives.CollectiveTimer(self.tracker, proc.recipe.group_key)
             collectives.install(proc.timer)
         proc.timer.wrap_buffer_sync(model, self.tracker)
+
+    def follow_compiled(self, wrapper: Any) -> None:
+        """``torch.compile(ddp_model)`` made ``wrapper``: time the forward from its hooks.
+
+        The hooks move from the DDP module to the wrapper, whose hooks run in
+        the interpreter around the compiled call. Left on the DDP module they
+        would be traced as no-ops, and any forward hook sends nn.Module down
+        its slower hooked call path, which dynamo breaks one more time.
+        """
+        if self._compiled_wrapper or not self.tracker.enabled:
+            return
+        self._compiled_wrapper = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = [
+            wrapper.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
+            wrapper.register_forward_hook(self._guarded(self.tracker.forward_post)),
+            wrapper.register_forward_pre_hook(
+                self._guarded(self._watch.forward_pre), with_kwargs=True
+            ),
+        ]
+        self._info["compiled"] = "torch.compile(ddp_model)"
+        self.publisher.post("run_info", self.index, self._run_info())
+
+    def wrap_compiled_call(
+        self, compiled_fn: Callable[..., Any], announce: bool = True
+    ) -> Callable[..., Any]:
+        """``ddp_model.compile()``: run the hooks around the compiled call, not in it."""
+        if self._compiled_wrapper or not self.tracker.enabled:
+            return compiled_fn
+        self._compiled_wrapper = True
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        model = self.model
+        pre = self._guarded(self.tracker.forward_pre)
+        post = self._guarded(self.tracker.forward_post)
+        watch = self._guarded(self._watch.forward_pre)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.tracker.enabled:
+                pre(model, args)
+                watch(model, args, kwargs)
+            out = compiled_fn(*args, **kwargs)
+            if self.tracker.enabled:
+                post(model, args, out)
+            return out
+
+        compiled.run_eagerly(call)
+        self._info["compiled"] = "ddp_model.compile()"
+        if announce:
+            self.publisher.post("run_info", self.index, self._run_info())
+        return call
 
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
         return _ModuleHook(fn, self.tracker.fail)
@@ -350,6 +422,9 @@ class Handle:
         self.tracker.enabled = False
 
 
+_is_compiling = torch.compiler.is_compiling
+
+
 def _noop_hook(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -372,6 +447,10 @@ class _ModuleHook:
         self.on_error = on_error
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            # Traced by dynamo (torch.compile(ddp_model)): leave no trace in
+            # the graph. The compiled module's own hooks do the timing.
+            return None
         try:
             return self.fn(*args, **kwargs)
         except Exception as exc:
@@ -410,8 +489,24 @@ def _type_name(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _compiled_ddp(model: Any) -> Any:
+    """The DDP model inside ``torch.compile(ddp_model)``, else None."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, DistributedDataParallel) and isinstance(model, torch.nn.Module):
+        return inner
+    return None
+
+
+def _fabric_ddp(model: Any) -> Any:
+    """The DDP model inside what Lightning Fabric's ``setup`` returns, else None."""
+    inner = getattr(model, "_forward_module", None)
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
 def _check_model(model: Any) -> None:
-    if isinstance(model, DistributedDataParallel):
+    if isinstance(model, DistributedDataParallel) or _compiled_ddp(model) is not None:
+        return
+    if _fabric_ddp(model) is not None:
         return
     if isinstance(model, DataParallel):
         raise TypeError(
@@ -431,6 +526,11 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
     """Attach ddpscope to a DDP model. Safe to call twice (returns the same handle)."""
     global _PROCESS
     _check_model(model)
+    wrapper = None
+    if _fabric_ddp(model) is not None:
+        model = _fabric_ddp(model)  # its forward calls the DDP module: hooks there fire
+    if _compiled_ddp(model) is not None:
+        wrapper, model = model, _compiled_ddp(model)
     opts = config.load(options)  # bad options are the caller's error: raise them
     with _LOCK:
         existing = _HANDLES.get(model)
@@ -442,6 +542,8 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
                     "variables or `ddpscope run` flags instead.",
                     ", ".join(sorted(options)),
                 )
+            if wrapper is not None:
+                existing.guard(existing.follow_compiled, wrapper)
             return existing
         if opts.disable:
             return InertHandle("DDPSCOPE_DISABLE is set")
@@ -458,7 +560,9 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
             log.warning("ddpscope could not attach and is off on this rank: %r", exc)
             return InertHandle(f"attach failed: {exc!r}")
         _HANDLES[model] = handle
-        return handle
+    if wrapper is not None:
+        handle.guard(handle.follow_compiled, wrapper)
+    return handle
 
 
 def current_handles() -> list[Handle]:
@@ -471,3 +575,7 @@ def _reset_for_tests() -> None:
         _PROCESS.finish(reason="close")
     _PROCESS = None
     _HANDLES.clear()
+
+
+#: Whether torch.compile leaves ddpscope's module hooks to the interpreter.
+HOOKS_EAGER_UNDER_COMPILE = compiled.run_eagerly(_ModuleHook.__call__)

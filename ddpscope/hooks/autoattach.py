@@ -22,6 +22,14 @@ _MARK = "_ddpscope_autoattach"
 _original_init: Callable[..., None] | None = None
 _warned = False
 _shim_pending = False
+#: attach() options for models that attach themselves (a framework callback's).
+_options: dict[str, Any] = {}
+
+
+def set_options(options: dict[str, Any]) -> None:
+    """Options for the models attached from now on (``ddpscope run`` sets none)."""
+    _options.clear()
+    _options.update(options)
 
 
 def _warn_once(exc: BaseException) -> None:
@@ -58,7 +66,7 @@ def _auto_attach(model: Any) -> None:
             _install_shim()
         import ddpscope
 
-        ddpscope.attach(model)
+        ddpscope.attach(model, **_options)
     except Exception as exc:
         _warn_once(exc)
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpscope.hooks import recipe
+from ddpscope.hooks import compiled, recipe
 from ddpscope.hooks.recipe import group_arg, site_of, user_frame
 
 log = logging.getLogger("ddpscope")
@@ -241,11 +241,19 @@ def active() -> CollectiveTimer | None:
     return _timer
 
 
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # Dynamo enters these wrappers as frames of their own when DDP's forward is
+    # compiled; run them as Python so that they break no graph (hooks/compiled.py).
+    compiled.run_eagerly(fn)
+    return fn
+
+
 def _work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @_eager
     @functools.wraps(orig)
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         timer = _timer
-        if timer is None:
+        if timer is None or torch.compiler.is_compiling():
             return orig(self, *args, **kwargs)
         return timer.wait(orig, self, args, kwargs)
 
@@ -253,10 +261,12 @@ def _work_wait(orig: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _buffer_sync(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @_eager
     @functools.wraps(orig)
     def _distributed_broadcast_coalesced(self: Any, *args: Any, **kwargs: Any) -> Any:
         timer = _timer
-        if timer is None:
+        if timer is None or torch.compiler.is_compiling():
+            # torch.compile(ddp_model) traces DDP's forward: leave its broadcast as it was.
             return orig(self, *args, **kwargs)
         return timer.buffer_sync(orig, self, args, kwargs)
 

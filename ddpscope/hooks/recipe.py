@@ -55,6 +55,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 import ddpscope
+from ddpscope.hooks import compiled
 from ddpscope.schema import COLLECTIVE_OPS
 
 log = logging.getLogger("ddpscope")
@@ -611,7 +612,8 @@ def _collective_wrapper(op: str, orig: Callable[..., Any]) -> Callable[..., Any]
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         probe = _active
         timing = _timing
-        if probe is None and timing is None:
+        if (probe is None and timing is None) or torch.compiler.is_compiling():
+            # Traced by dynamo: frame inspection would break the user's graph.
             return orig(*args, **kwargs)
         caller = sys._getframe(1)
         if probe is not None:
@@ -620,6 +622,7 @@ def _collective_wrapper(op: str, orig: Callable[..., Any]) -> Callable[..., Any]
             return timing.call(op, orig, caller, args, kwargs, group_at)
         return orig(*args, **kwargs)
 
+    compiled.run_eagerly(wrapper)  # see hooks/compiled.py
     return wrapper
 
 

@@ -37,6 +37,9 @@ Each index is first mapped through the Subset chain (``Subset`` and anything
 with ``.dataset`` and ``.indices``) to the index of the innermost dataset, so
 manual sharding with Subsets compares correctly across ranks. Then:
 
+* at ``iter()``, ``subset_digest``: a blake2b-64 digest of the real indices the
+  Subset chain keeps (computed once per loader and index list), which tells a
+  split shared by all ranks from a ``random_split`` drawn on each;
 * ``count``, and a blake2b-64 digest of ``array('q', batch)`` bytes, which is
   identical across processes for identical orders;
 * ``head``: the first 16 real indices;
@@ -371,12 +374,32 @@ class _Pass:
 
 
 class _LoaderState:
-    __slots__ = ("loader_id", "next_pass", "open_pass")
+    __slots__ = ("loader_id", "next_pass", "open_pass", "split")
 
     def __init__(self, loader_id: int) -> None:
         self.loader_id = loader_id
         self.next_pass = 0
         self.open_pass: _Pass | None = None
+        #: (identities of the Subset index lists, their digest), computed once.
+        self.split: tuple[tuple[int, ...], int] | None = None
+
+
+#: Largest Subset whose index list is digested (a few ms per million indices).
+_MAX_SPLIT = 1 << 24
+
+
+def _split_digest(chain: list[Any]) -> int:
+    """Digest of the innermost-dataset indices a Subset chain keeps, in order."""
+    if not chain or _length(chain[0]) > _MAX_SPLIT:
+        return 0
+    real = chain[0].tolist() if isinstance(chain[0], torch.Tensor) else list(chain[0])
+    for indices in chain[1:]:
+        real = _map_through(indices, real)
+    try:
+        data = array("q", real)
+    except (TypeError, OverflowError):
+        return 0
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") or 1
 
 
 class SamplerProbe:
@@ -532,6 +555,7 @@ class SamplerProbe:
             "drop_last": bool(getattr(batch_sampler, "drop_last", False)),
             "padded": 0,
             "subset_depth": len(chain),
+            "subset_digest": self._split_of(state, chain),
         }
         if isinstance(index_sampler, DistributedSampler):
             # getattr: a subclass may have renamed or dropped an attribute.
@@ -558,6 +582,15 @@ class SamplerProbe:
             self._end(rec, False)
             return None
         return rec
+
+    @staticmethod
+    def _split_of(state: _LoaderState, chain: list[Any]) -> int:
+        if not chain:
+            return 0
+        key = tuple(id(c) for c in chain)
+        if state.split is None or state.split[0] != key:
+            state.split = (key, _split_digest(chain))
+        return state.split[1]
 
     def _kept(self, domain: int, mod: int) -> frozenset[int] | None:
         if mod == 1 or domain <= 0 or domain > _MAX_DOMAIN or domain // mod > _MAX_KEPT:

@@ -20,6 +20,16 @@ the start of forward, a loss all-reduce, a barrier: see
 collective waits, and taken out of whichever phase they interrupted, so the
 phases and the waits add up to the step.
 
+Phases nest in frameworks: Lightning runs forward and backward inside
+``optimizer.step(closure)``; under manual optimization backward and the
+optimizer step run inside the DDP forward (``training_step`` is what DDP
+wraps). Each phase is booked exclusive of the phases nested in it: a phase
+that opens inside another suspends it (its time so far is one interval) and
+the outer one resumes when the inner ends, so no time is counted twice and the
+phases still add up to the step. An optimizer step that ran a closure resumes
+only once that closure's backward is done: the loss and hooks between the
+forward and the backward are not optimizer work.
+
 Counting survives the usual tricks: ``no_sync()`` micro-batches run backward
 without an all-reduce and stay in the step; a step GradScaler skips (no
 optimizer call) is closed at the next forward with ``optimizer_steps == 0``;
@@ -119,6 +129,13 @@ class StepTracker:
         self._bwd_sync = False
         self._compute_end = 0
         self._opt_start: int | None = None
+        #: Open forward/optimizer calls, innermost last: [phase, start of the
+        #: running interval or None while a nested phase holds the time,
+        #: resume only after a backward (an optimizer that ran a closure)].
+        self._open: list[list[Any]] = []
+        #: (end of the previous phase, optimizer start) when an optimizer step
+        #: opened after a gap; a closure's forward books that gap as data.
+        self._opt_gap: tuple[int, int] | None = None
 
     def _new_step(self, start: int | None) -> None:
         self._start = start
@@ -149,14 +166,29 @@ class StepTracker:
             self.state.enter("eval")
             return
         t = self.stamp()
-        if self._synced:
+        if any(e[0] == FORWARD for e in self._open):
+            # The last forward never returned (an exception the script caught, as
+            # skip-the-batch-on-OOM loops do): forget it, or it would hold every
+            # later forward as nested in it.
+            while self._open and self._open.pop()[0] != FORWARD:
+                pass
+            self._prev_end = t  # the failed forward's time is "other", not data
+        if self._synced and not self._open:
             # A synced backward without an optimizer step after it: GradScaler
             # skipped the step, or the update is done by hand.
             self._close(self._prev_end if self._prev_end is not None else t)
         if self._start is None:
             self._start = t
-        elif self._prev_end is not None:
+        elif not self._open and self._prev_end is not None:
             self._iv.append((DATA, self._prev_end, t))
+        elif self._opt_gap is not None and [e[0] for e in self._open] == [OPTIMIZER]:
+            # A closure's forward: the wait before optimizer.step() was for data.
+            self._iv.append((DATA, *self._opt_gap))
+            self._opt_gap = None
+        if self._open and self._open[-1][0] == OPTIMIZER:
+            self._open[-1][2] = True
+        self._suspend(t)
+        self._open.append([FORWARD, t, False])
         self._fwd_start = t
         self._fwd_sync = bool(getattr(module, "require_backward_grad_sync", True))
         join_config = getattr(module, "_join_config", None)
@@ -173,7 +205,13 @@ class StepTracker:
             self.state.enter("idle")
             return
         t = self.stamp()
-        self._iv.append((FORWARD, self._fwd_start, t))
+        top = self._open.pop() if self._open else None
+        if top is not None and top[0] == FORWARD:
+            if top[1] is not None:
+                self._iv.append((FORWARD, top[1], t))
+            self._resume(t, after_backward=False)
+        elif top is not None:
+            self._open.append(top)  # not ours to close (should not happen)
         self._prev_end = t
         self.state.enter("idle")
         outs = _grad_outputs(output)
@@ -186,6 +224,7 @@ class StepTracker:
         if not self.enabled or self._bwd_start is not None:
             return
         self._bwd_start = self.stamp()
+        self._suspend(self._bwd_start)
         self._bwd_sync = self._fwd_sync
         self.state.enter("backward")
         _queue_callback(self._after_compute)
@@ -207,6 +246,7 @@ class StepTracker:
         self._bwd += 1
         if self._bwd_sync:
             self._synced = True
+        self._resume(t, after_backward=True)
         self.state.enter("idle")
 
     # --- buckets (called by the comm hook wrapper) ---------------------------
@@ -215,7 +255,7 @@ class StepTracker:
         if not self.enabled:
             return None
         try:
-            if self._fwd == 0 and self._bwd_start is None:
+            if self._fwd == 0 and self._bwd_start is None and not self._open:
                 # No forward in this step: a joined rank shadowing all-reduces.
                 self.state.join_shadow += 1
                 self.state.enter("join")
@@ -288,7 +328,14 @@ class StepTracker:
         if not self.enabled or not self._relevance(opt)[0]:
             return
         if self._opt_start is None:
-            self._opt_start = self.stamp()
+            t = self._opt_start = self.stamp()
+            if self._start is None:
+                self._start = t  # a closure-based step begins in optimizer.step()
+            self._opt_gap = None
+            if not self._open and self._prev_end is not None:
+                self._opt_gap = (self._prev_end, t)
+            self._suspend(t)
+            self._open.append([OPTIMIZER, t, False])
             self.state.enter("optimizer")
 
     def optimizer_post(self, opt: Any) -> None:
@@ -298,13 +345,42 @@ class StepTracker:
         if not relevant:
             return
         t = self.stamp()
-        self._iv.append((OPTIMIZER, self._opt_start, t))
+        for i in range(len(self._open) - 1, -1, -1):
+            entry = self._open[i]
+            if entry[0] == OPTIMIZER:
+                if entry[1] is not None:
+                    self._iv.append((OPTIMIZER, entry[1], t))
+                del self._open[i:]  # a forward left open inside it is over too
+                break
+        self._resume(t, after_backward=False)
         self._opt_start = None
+        self._opt_gap = None
         self._opt += 1
         self._prev_end = t
         self.state.enter("idle")
         if covers_all and self._bwd > 0:
             self._close(t)
+
+    # --- nesting ---------------------------------------------------------------
+
+    def _suspend(self, t: int) -> None:
+        """A nested phase starts at ``t``: book the running one's time so far."""
+        if self._open:
+            top = self._open[-1]
+            if top[1] is not None:
+                self._iv.append((top[0], top[1], t))
+                top[1] = None
+
+    def _resume(self, t: int, after_backward: bool) -> None:
+        """A nested phase ended at ``t``: the enclosing one runs again."""
+        if self._open:
+            top = self._open[-1]
+            if top[1] is None and (after_backward or not top[2]):
+                top[1] = t
+                if top[0] == FORWARD:
+                    self.state.enter("forward")
+                elif top[0] == OPTIMIZER:
+                    self.state.enter("optimizer")
 
     # --- closing a step ------------------------------------------------------
 
@@ -349,6 +425,10 @@ class StepTracker:
         self.state.bucket = -1
         self._new_step(end)
         self._prev_end = end
+        for entry in self._open:
+            if entry[1] is not None:
+                # Manual optimization: the rest of this forward is the next step's.
+                entry[1] = end
         self.state.enter("data")
         self.on_step_end(self.step)
 

@@ -43,7 +43,10 @@ the finding is kept but marked inactive.
 not the world size, seeds or ``shuffle`` that differ across ranks, two ranks
 passing the same sampler rank. (a) At the first step of a pass over a
 non-distributed sampler that draws all ``len(dataset)`` indices of an unwrapped
-dataset on two or more ranks. (c) At each pass end, measured: the sketches of
+dataset on two or more ranks, through the stock BatchSampler only: a batch
+sampler of its own may shard above the sampler (accelerate's BatchSamplerShard
+keeps each rank's own batches of one shared order), so what such a loader
+yields is left to (c). (c) At each pass end, measured: the sketches of
 corresponding passes are put in one table at a common power-of-two modulus (an
 index in two ranks' sketches was drawn by both), and a rank's overlap is the
 share of its sketch points also held by another rank, after removing what
@@ -556,6 +559,13 @@ FIX_REPLICAS = (
     "LOCAL_RANK."
 )
 FIX_SHUFFLE = "Pass the same `shuffle` to DistributedSampler on every rank."
+FIX_RANDOM_SPLIT = (
+    "Split the dataset the same way on every rank: `random_split(ds, lengths, "
+    "generator=torch.Generator().manual_seed(S))` with one S for all ranks (or split once and "
+    "share the indices). Without a fixed generator each rank draws its own split, so the "
+    "ranks' training sets differ, their DistributedSampler shards overlap, and held-out samples "
+    "leak into training."
+)
 FIX_SAME_DATASET = (
     "Build the same dataset on every rank before DistributedSampler shards it: it partitions "
     "the indices 0..N-1, which only works when N and the data are the same everywhere."
@@ -890,6 +900,11 @@ class ShardingDetector:
             return
         if b.distributed or b.subset_depth or b.expected <= 0 or b.expected != b.dataset_len:
             return
+        if b.batch_sampler_type not in STOCK_BATCH_SAMPLERS:
+            # A batch sampler of its own may shard above the sampler (accelerate's
+            # BatchSamplerShard: each rank keeps its own batches of one shared
+            # order). What the loader yields is measured at the pass end instead.
+            return
         plain = st.plain.setdefault(b.loader, {})
         plain[b.rank] = b
         ranks = sorted(r for r, x in plain.items() if x.dataset_len == b.dataset_len)
@@ -925,6 +940,15 @@ class ShardingDetector:
         fix = FIX_DISTRIBUTED
         if len({x.begin.dataset_len for x in union.recs.values() if x.begin is not None}) > 1:
             fix = FIX_SAME_DATASET + " " + FIX_DISTRIBUTED
+        split = _split_differs(union)
+        if split:
+            text += (
+                f"; the ranks' Subsets hold different indices ({split} distinct index lists "
+                f"among {len(union.recs)} ranks): a random_split without a fixed generator "
+                f"splits differently on every rank"
+            )
+            evidence["subset_index_lists"] = split
+            fix = FIX_RANDOM_SPLIT
         issue = st.issues.get((kind, rec.loader))
         seen = issue.causes.get("measured") if issue is not None else None
         if (
@@ -1036,6 +1060,17 @@ class ShardingDetector:
                 **issue.evidence,
             },
         )
+
+
+def _split_differs(union: _Union) -> int:
+    """How many different Subset index lists the compared ranks' datasets hold (0: one, or
+    unknown). Ranks whose DistributedSampler shards a Subset must all hold the same one."""
+    digests = {
+        rec.begin.subset_digest
+        for rec in union.recs.values()
+        if rec.begin is not None and rec.begin.subset_depth > 0 and rec.begin.subset_digest
+    }
+    return len(digests) if len(digests) > 1 else 0
 
 
 def _sampler_groups(begins: dict[int, SamplerPass]) -> list[dict[str, Any]]:

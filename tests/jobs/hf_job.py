@@ -1,0 +1,153 @@
+"""A tiny Hugging Face DDP job on CPU (gloo): ``transformers.Trainer`` or an accelerate loop.
+
+The model is a two-layer BERT built from a config (nothing is downloaded).
+``--same-batches`` reproduces the real mistake: every rank iterates the whole
+dataset in one order (the loader built after ``accelerator.prepare``, or handed
+over with ``split_batches`` semantics lost), so all ranks train on the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+class Tokens(Dataset):
+    """Random token sequences with a label that depends on them (learnable)."""
+
+    def __init__(self, n: int, seq: int = 16, vocab: int = 128) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(1, vocab, (n, seq), generator=g)
+        self.labels = (self.ids[:, 0] > vocab // 2).long()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class SlowCollate:
+    """Collation that stalls on one rank: a data-loading straggler."""
+
+    def __init__(self, slow_rank: int, slow_ms: float) -> None:
+        self.slow_rank, self.slow_ms = slow_rank, slow_ms
+
+    def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if self.slow_ms and rank() == self.slow_rank:
+            time.sleep(self.slow_ms / 1000)
+        return {k: torch.stack([it[k] for it in items]) for k in items[0]}
+
+
+def model() -> Any:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=2,
+    )
+    return BertForSequenceClassification(cfg)
+
+
+def trainer(args: argparse.Namespace) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    callbacks: list[Any] = []
+    if args.callback:
+        from ddpscope.hf import DDPScopeCallback
+
+        callbacks.append(DDPScopeCallback())
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=args.batch,
+            num_train_epochs=args.epochs,
+            learning_rate=1e-3,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            ddp_backend="gloo",
+            seed=0,
+        )
+        t = Trainer(
+            model=model(),
+            args=targs,
+            train_dataset=Tokens(args.samples),
+            data_collator=SlowCollate(args.slow_rank, args.slow_ms),
+            callbacks=callbacks,
+        )
+        t.train()
+        if t.is_world_process_zero():
+            print(f"done: {t.state.global_step} optimizer steps", flush=True)
+
+
+def accelerate_loop(args: argparse.Namespace) -> None:
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    net = model()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    loader = DataLoader(
+        Tokens(args.samples),
+        batch_size=args.batch,
+        shuffle=True,
+        collate_fn=SlowCollate(args.slow_rank, args.slow_ms),
+    )
+    if args.same_batches:
+        # The bug: only model and optimizer go through prepare(); the loader
+        # is the plain one, so every rank iterates the whole dataset.
+        net, opt = acc.prepare(net, opt)
+    else:
+        net, opt, loader = acc.prepare(net, opt, loader)
+    steps = 0
+    for _epoch in range(args.epochs):
+        for batch in loader:
+            out = net(**batch)
+            acc.backward(out.loss)
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        print(f"done: {steps} optimizer steps", flush=True)
+    acc.end_training()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--api", choices=["trainer", "accelerate"], default="trainer")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=512)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--slow-rank", type=int, default=1)
+    p.add_argument("--slow-ms", type=float, default=0)
+    p.add_argument("--same-batches", action="store_true")
+    p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
+    args = p.parse_args()
+    if args.api == "trainer":
+        trainer(args)
+    else:
+        accelerate_loop(args)
+
+
+if __name__ == "__main__":
+    main()
