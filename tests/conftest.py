@@ -87,6 +87,19 @@ def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture
+def fresh_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """An in-process rank with no ddpscope state and a private endpoint; reset after."""
+    from ddpscope.hooks import attach, collectives
+
+    for var in ("DDPSCOPE_RECORD", "DDPSCOPE_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DDPSCOPE_ENDPOINT", f"ipc://{tmp_path}/s")
+    yield tmp_path
+    attach._reset_for_tests()
+    assert collectives.active() is None, "a reset process times no collective"
+
+
+@pytest.fixture
 def record_dir(tmp_path: Path) -> Iterator[Path]:
     d = tmp_path / "rec"
     d.mkdir()

@@ -8,6 +8,7 @@ Every bound here is generous (the machine is shared and noisy): it says
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -26,6 +27,10 @@ DDPSCOPE = [sys.executable, "-m", "ddpscope"]
 TORCHRUN_SIGNALLED = 1
 #: A real 2-rank job long enough to be mid-run when the fault comes (~25 s).
 LONG_JOB = ["--epochs", "30", "--step-sleep-ms", "40"]
+#: The signals every long-running command must end on.
+STOP = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+#: How long a command may take to be gone after one of them.
+GONE_S = 30.0
 
 
 def torchrun_demo(*args: str) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
-from ddpscope.hooks import attach as attach_mod
 from ddpscope.hooks import collectives
 from ddpscope.record import open_run
 from ddpscope.schema import Step
@@ -29,17 +28,7 @@ from ddpscope.schema import Step
 HERE = Path(__file__).name
 
 
-pytestmark = pytest.mark.usefixtures("world_of_one")
-
-
-@pytest.fixture(autouse=True)
-def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    for var in ("DDPSCOPE_RECORD", "DDPSCOPE_DISABLE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("DDPSCOPE_ENDPOINT", f"ipc://{tmp_path}/s")
-    yield tmp_path
-    attach_mod._reset_for_tests()
-    assert collectives.active() is None
+pytestmark = pytest.mark.usefixtures("world_of_one", "fresh_rank")
 
 
 def _bn_model() -> DDP:
@@ -76,11 +65,11 @@ def _listed(s: Step) -> list[tuple[str, str, str]]:
     ]
 
 
-def test_ddp_buffer_broadcast_is_a_ddp_sync_taken_out_of_forward(fresh_process: Path) -> None:
+def test_ddp_buffer_broadcast_is_a_ddp_sync_taken_out_of_forward(fresh_rank: Path) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     _train(model, 4)
-    steps = _steps(handle, fresh_process)
+    steps = _steps(handle, fresh_rank)
     assert len(steps) == 4
     for s in steps:
         assert s.c_op == ["broadcast"] and s.c_class == ["ddp"] and s.c_site == [""]
@@ -93,18 +82,18 @@ def test_ddp_buffer_broadcast_is_a_ddp_sync_taken_out_of_forward(fresh_process: 
         assert not s.join
 
 
-def test_a_model_without_buffers_lists_no_collective(fresh_process: Path) -> None:
+def test_a_model_without_buffers_lists_no_collective(fresh_rank: Path) -> None:
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     _train(model, 3)
-    for s in _steps(handle, fresh_process):
+    for s in _steps(handle, fresh_rank):
         assert s.c_op == [] and s.sync_wait_ns == 0 and s.coll_wait_ns == 0
 
 
-def test_script_collectives_are_user_waits_with_their_call_site(fresh_process: Path) -> None:
+def test_script_collectives_are_user_waits_with_their_call_site(fresh_rank: Path) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
 
     def log(loss: torch.Tensor) -> None:
         logged = loss.detach().clone()
@@ -113,7 +102,7 @@ def test_script_collectives_are_user_waits_with_their_call_site(fresh_process: P
 
     # a barrier between backward and the optimizer: out of "other"
     _train(model, 3, after_backward=lambda _: dist.barrier(), after_step=log)
-    steps = _steps(handle, fresh_process)
+    steps = _steps(handle, fresh_rank)
     first, later = steps[0], steps[1:]
     assert _listed(first) == [
         ("broadcast", "ddp", ""),
@@ -135,9 +124,9 @@ def test_script_collectives_are_user_waits_with_their_call_site(fresh_process: P
         assert s.c_group == ["", "", "", ""]
 
 
-def test_an_async_collective_is_timed_when_its_work_is_waited_on(fresh_process: Path) -> None:
+def test_an_async_collective_is_timed_when_its_work_is_waited_on(fresh_rank: Path) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
         loss = model(torch.randn(4, 8)).sum()
@@ -148,16 +137,16 @@ def test_an_async_collective_is_timed_when_its_work_is_waited_on(fresh_process: 
         opt.zero_grad()
         # an async call never waited on is not a wait
         dist.all_reduce(torch.ones(1), async_op=True)
-    for s in _steps(handle, fresh_process):
+    for s in _steps(handle, fresh_rank):
         ops = [(op, cls) for op, cls, _ in _listed(s)]
         assert ops == [("broadcast", "ddp"), ("all_reduce", "user")]
         assert HERE in s.c_site[1]
         assert _split(s) == s.t_end - s.t_start
 
 
-def test_collectives_from_another_thread_are_not_booked_in_the_step(fresh_process: Path) -> None:
+def test_collectives_from_another_thread_are_not_booked_in_the_step(fresh_rank: Path) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
 
     def from_a_thread(_: torch.Tensor) -> None:
         side = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1)))
@@ -165,15 +154,15 @@ def test_collectives_from_another_thread_are_not_booked_in_the_step(fresh_proces
         side.join()
 
     _train(model, 2, after_backward=from_a_thread)
-    for s in _steps(handle, fresh_process):
+    for s in _steps(handle, fresh_rank):
         assert s.c_op == ["broadcast"]
 
 
 def test_a_failing_collective_raises_as_without_ddpscope_and_training_goes_on(
-    fresh_process: Path,
+    fresh_rank: Path,
 ) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(4, 8)).sum().backward()
     with pytest.raises((ValueError, RuntimeError)):
@@ -184,12 +173,12 @@ def test_a_failing_collective_raises_as_without_ddpscope_and_training_goes_on(
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     assert handle.enabled
-    assert len(_steps(handle, fresh_process)) == 2
+    assert len(_steps(handle, fresh_rank)) == 2
 
 
-def test_the_heartbeat_state_names_the_collective_while_blocked(fresh_process: Path) -> None:
+def test_the_heartbeat_state_names_the_collective_while_blocked(fresh_rank: Path) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     state = handle.publisher.state
     seen: list[tuple[str, str, str, str]] = []
     timer = collectives.active()
@@ -211,10 +200,10 @@ def test_the_heartbeat_state_names_the_collective_while_blocked(fresh_process: P
 
 
 def test_evaluation_forwards_broadcast_without_leaving_the_data_phase_negative(
-    fresh_process: Path,
+    fresh_rank: Path,
 ) -> None:
     model = _bn_model()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
 
     def evaluate(_: torch.Tensor) -> None:
         model.eval()
@@ -224,7 +213,7 @@ def test_evaluation_forwards_broadcast_without_leaving_the_data_phase_negative(
         model.train()
 
     _train(model, 3, after_step=evaluate)
-    for s in _steps(handle, fresh_process)[1:]:
+    for s in _steps(handle, fresh_rank)[1:]:
         # DDP decides whether to broadcast from the previous forward: the first
         # forward after a switch between training and evaluation does it.
         assert s.c_op == ["broadcast"] and s.c_class == ["ddp"]

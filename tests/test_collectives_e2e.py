@@ -11,18 +11,15 @@ every shape (accumulation, DataLoader workers, autocast, 3 ranks), nothing.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import DEMO, ROOT, job_env, torchrun
+from conftest import DEMO, job_env, torchrun
+from recorded import brief, median, serious, steps_of
+from recorded import report_json as report
 from synth import split_ns as split
 
-from ddpscope.record import open_run
-from ddpscope.schema import WAITING_PHASES, Step
+from ddpscope.schema import WAITING_PHASES
 
 pytestmark = pytest.mark.torchrun
 
@@ -41,38 +38,6 @@ def record(tmp: Path, endpoint: str, *flags: str, nproc: int = 2, **env: str) ->
         timeout=240,
     )
     return rec
-
-
-def report(rec: Path, *args: str) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpscope", "report", str(rec), "--json", *args],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    doc: dict[str, Any] = json.loads(proc.stdout)
-    return doc
-
-
-def serious(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f for f in doc["findings"] if f["severity"] in ("warning", "error")]
-
-
-def brief(findings: list[dict[str, Any]]) -> str:
-    return json.dumps([(f["kind"], f["severity"], f["ranks"], f["message"]) for f in findings])
-
-
-def steps_of(rec: Path) -> dict[int, list[Step]]:
-    msgs = open_run(str(rec)).messages
-    return {r: [m for m in ms if isinstance(m, Step)] for r, ms in msgs.items()}
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
 
 
 # --- stragglers -------------------------------------------------------------------

@@ -16,7 +16,9 @@ import pytest
 from conftest import ROOT, job_env
 from faults import (
     DDPSCOPE,
+    GONE_S,
     LONG_JOB,
+    STOP,
     TORCHRUN_SIGNALLED,
     all_gone,
     ddpscope_temp_files,
@@ -33,9 +35,6 @@ from faults import (
     until,
 )
 from terminal import Terminal
-
-STOP = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
-GONE_S = 30.0
 
 
 @pytest.fixture

@@ -20,7 +20,9 @@ import pytest
 from conftest import _teardown_abort_only, job_env
 from faults import (
     DDPSCOPE,
+    GONE_S,
     LONG_JOB,
+    STOP,
     TORCHRUN_SIGNALLED,
     all_gone,
     ddpscope_temp_files,
@@ -40,9 +42,7 @@ from terminal import Terminal
 
 SIZE = (160, 50)
 #: A command told to stop ends within this (torchrun waits for its workers first).
-GONE_S = 30.0
 HELP_TEXT = "pause / resume the display"
-STOP = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -14,15 +14,16 @@ apart (the slow rank's data time, the others' sync or collective wait).
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import ROOT, job_env, torchrun
+from recorded import brief, median, serious, steps_of
+from recorded import report_json as report
+from synth import split_ns
 
 from ddpscope.record import open_run
 from ddpscope.schema import Fingerprint, RunInfo, SamplerPass, Step
@@ -66,49 +67,9 @@ def record(
     return rec
 
 
-def report(rec: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "ddpscope", "report", str(rec), "--json"],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
-    doc: dict[str, Any] = json.loads(proc.stdout)
-    return doc
-
-
-def serious(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    return [f for f in doc["findings"] if f["severity"] in ("warning", "error")]
-
-
-def brief(findings: list[dict[str, Any]]) -> str:
-    return json.dumps([(f["kind"], f["severity"], f["ranks"], f["message"]) for f in findings])
-
-
-def steps_of(rec: Path) -> dict[int, list[Step]]:
-    msgs = open_run(str(rec)).messages
-    return {r: [m for m in ms if isinstance(m, Step)] for r, ms in msgs.items()}
-
-
 def accounted(s: Step) -> int:
     """Everything booked to a phase or a wait: never more than the step lasted."""
-    return (
-        s.data_ns
-        + s.forward_ns
-        + s.backward_ns
-        + s.comm_wait_ns
-        + s.sync_wait_ns
-        + s.coll_wait_ns
-        + s.optimizer_ns
-    )
-
-
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    return values[len(values) // 2]
+    return split_ns(s) - s.other_ns
 
 
 def assert_phases_add_up(steps: dict[int, list[Step]]) -> None:

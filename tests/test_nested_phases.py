@@ -9,17 +9,15 @@ post-hook never ran, must not leave the next forwards nested in it.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
+from synth import split_ns
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
-from ddpscope.hooks import attach as attach_mod
 from ddpscope.record import open_run
 from ddpscope.schema import Step
 
@@ -27,21 +25,7 @@ from ddpscope.schema import Step
 FORWARD_SLEEP_S = 0.02
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(autouse=True)
-def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    for var in ("DDPSCOPE_RECORD", "DDPSCOPE_DISABLE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("DDPSCOPE_ENDPOINT", f"ipc://{tmp_path}/s")
-    yield tmp_path
-    attach_mod._reset_for_tests()
+pytestmark = pytest.mark.usefixtures("world_of_one", "fresh_rank")
 
 
 class SlowForward(nn.Module):
@@ -64,23 +48,15 @@ def _steps(handle: ddpscope.Handle, tmp: Path) -> list[Step]:
 
 
 def _booked(s: Step) -> int:
-    return (
-        s.data_ns
-        + s.forward_ns
-        + s.backward_ns
-        + s.comm_wait_ns
-        + s.sync_wait_ns
-        + s.coll_wait_ns
-        + s.optimizer_ns
-    )
+    return split_ns(s) - s.other_ns
 
 
 def test_forward_and_backward_inside_a_closure_optimizer_step_are_booked_once(
-    fresh_process: Path,
+    fresh_rank: Path,
 ) -> None:
     torch.manual_seed(0)
     model = DDP(SlowForward())
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
 
@@ -92,7 +68,7 @@ def test_forward_and_backward_inside_a_closure_optimizer_step_are_booked_once(
 
     for _ in range(5):
         opt.step(closure)
-    steps = _steps(handle, fresh_process)
+    steps = _steps(handle, fresh_rank)
     assert len(steps) == 5
     for s in steps:
         assert s.forward_ns >= FORWARD_SLEEP_S * 1e9 * 0.9, s
@@ -102,12 +78,12 @@ def test_forward_and_backward_inside_a_closure_optimizer_step_are_booked_once(
 
 
 def test_a_forward_that_raised_does_not_hold_the_next_ones_as_nested(
-    fresh_process: Path,
+    fresh_rank: Path,
 ) -> None:
     torch.manual_seed(0)
     inner = SlowForward()
     model = DDP(inner)
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
     for i in range(4):
@@ -121,7 +97,7 @@ def test_a_forward_that_raised_does_not_hold_the_next_ones_as_nested(
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    steps = _steps(handle, fresh_process)
+    steps = _steps(handle, fresh_rank)
     assert len(steps) == 4
     for s in steps:
         assert FORWARD_SLEEP_S * 1e9 * 0.9 <= s.forward_ns < FORWARD_SLEEP_S * 1e9 * 1.9, s
