@@ -498,6 +498,25 @@ def test_random_sampler_over_the_whole_dataset_is_unsharded_at_the_first_step() 
     assert "DistributedSampler" in f.fix and "RandomSampler" in f.message
 
 
+def test_dispatched_batches_drawn_by_rank_zero_alone_are_not_unsharded() -> None:
+    # accelerate's dispatch_batches: every rank calls iter() on the plain loader, but
+    # only rank 0 draws from it (twice the batch) and scatters slices; rank 1's
+    # sampler never yields, its steps name no pass, its pass is abandoned unread.
+    sim = Sim(WORLD)
+    order = list(range(N))
+    for e in range(3):
+        random.Random(e).shuffle(order)
+        pids = {r: sim.begin(r, 0, plain_plan(order, N)) for r in range(WORLD)}
+        sim.last_pass[0] = sim.gid[0] - 1
+        for _ in range(N // (2 * B)):
+            sim.steps(0)
+            sim.steps(1)
+        sim.end(0, 0, pids[0], order, complete=True)
+        sim.end(1, 0, pids[1], [], complete=False)
+    quiet(analyse(sim.msgs)[0])
+    assert sim.last_pass[1] == -1  # the steps of rank 1 named no pass
+
+
 def test_disjoint_manual_subsets_are_not_flagged() -> None:
     sim = Sim(WORLD)
     for e in range(2):

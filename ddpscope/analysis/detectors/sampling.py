@@ -179,6 +179,9 @@ class PassRec:
     final: bool = False
     #: The previous trained pass of the loader (one link: no chains kept alive).
     prev: PassRec | None = None
+    #: A step of the rank named this pass as the one its sampler last yielded for:
+    #: the rank trains on what it draws (not so under accelerate's dispatch_batches).
+    tagged: bool = False
 
     @property
     def drawn(self) -> int:
@@ -318,6 +321,9 @@ class PassLedger:
             rp.last_tag, rp.last_rec = (msg.loader_pass, rec) if cacheable else (-2, None)
         if rec is None:
             return
+        tag = msg.loader_pass
+        if not rec.tagged and rp.offset is not None and tag >= 0:
+            rec.tagged = rp.by_gid.get(tag - rp.offset) is rec
         rec.steps += 1
         rec.micro += msg.micro_batches
         if rec.steps == 1:
@@ -904,6 +910,11 @@ class ShardingDetector:
             # A batch sampler of its own may shard above the sampler (accelerate's
             # BatchSamplerShard: each rank keeps its own batches of one shared
             # order). What the loader yields is measured at the pass end instead.
+            return
+        if not rec.tagged:
+            # The rank trained before its sampler yielded a batch of this pass: the
+            # batches come from elsewhere (accelerate's dispatch_batches: rank 0 alone
+            # draws and scatters slices). Measured at the pass end instead.
             return
         plain = st.plain.setdefault(b.loader, {})
         plain[b.rank] = b
