@@ -257,6 +257,30 @@ def test_every_rank_taking_the_same_batches_under_accelerate_is_named(
     assert found[0]["evidence"]["overlap"]["overlap_max"] > 0.9
 
 
+def test_accelerate_dispatched_batches_raise_nothing(tmp_path: Path, endpoint: str) -> None:
+    # dispatch_batches=True: rank 0 alone draws each batch of 32 and scatters 16 to
+    # each rank; what rank 1's loader iterates is not what it trains on.
+    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--dispatch")
+    found = serious(report(rec))
+    assert found == [], brief(found)
+    steps = steps_of(rec)
+    assert sorted(steps) == [0, 1] and all(len(ss) == 48 for ss in steps.values())
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--no-dispatch"]], ids=["dispatched-by-default", "iterable-shard"]
+)
+def test_accelerate_iterable_dataset_raises_nothing(
+    tmp_path: Path, endpoint: str, flags: list[str]
+) -> None:
+    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--iterable", *flags)
+    found = serious(report(rec))
+    assert found == [], brief(found)
+    steps = steps_of(rec)
+    # 512 streamed samples, 16 per rank and step, 2 ranks, 3 epochs.
+    assert sorted(steps) == [0, 1] and all(len(ss) == 48 for ss in steps.values())
+
+
 def test_hf_data_straggler_is_measured_in_accelerates_collective(
     tmp_path: Path, endpoint: str
 ) -> None:

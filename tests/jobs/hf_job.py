@@ -4,6 +4,13 @@ The model is a two-layer BERT built from a config (nothing is downloaded).
 ``--same-batches`` reproduces the real mistake: every rank iterates the whole
 dataset in one order (the loader built after ``accelerator.prepare``, or handed
 over with ``split_batches`` semantics lost), so all ranks train on the same batches.
+
+Under ``--api accelerate``, ``--dispatch`` has rank 0 iterate the loader and
+scatter slices of each batch (``DataLoaderConfiguration(dispatch_batches=True)``);
+``--iterable`` trains from an ``IterableDataset`` (accelerate dispatches those by
+default; with ``--no-dispatch`` each rank keeps its own batches of the stream,
+``IterableDatasetShard``). ``--iterable --same-batches`` is the iterable mistake:
+the loader is not prepared, so every rank reads the whole stream.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 
 def rank() -> int:
@@ -35,6 +42,17 @@ class Tokens(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class TokenStream(IterableDataset):
+    """The same samples as :class:`Tokens`, read as a stream (no indices, no sampler)."""
+
+    def __init__(self, n: int) -> None:
+        self.data = Tokens(n)
+
+    def __iter__(self) -> Any:
+        for i in range(len(self.data)):
+            yield self.data[i]
 
 
 class SlowCollate:
@@ -101,17 +119,22 @@ def trainer(args: argparse.Namespace) -> None:
 
 
 def accelerate_loop(args: argparse.Namespace) -> None:
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DataLoaderConfiguration
 
-    acc = Accelerator(cpu=True)
+    # None: accelerate's default (dispatch an IterableDataset, shard the rest).
+    dispatch = True if args.dispatch else False if args.no_dispatch else None
+    acc = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)
+    )
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-    loader = DataLoader(
-        Tokens(args.samples),
-        batch_size=args.batch,
-        shuffle=True,
-        collate_fn=SlowCollate(args.slow_rank, args.slow_ms),
-    )
+    collate = SlowCollate(args.slow_rank, args.slow_ms)
+    if args.iterable:
+        loader = DataLoader(TokenStream(args.samples), batch_size=args.batch, collate_fn=collate)
+    else:
+        loader = DataLoader(
+            Tokens(args.samples), batch_size=args.batch, shuffle=True, collate_fn=collate
+        )
     if args.same_batches:
         # The bug: only model and optimizer go through prepare(); the loader
         # is the plain one, so every rank iterates the whole dataset.
@@ -141,6 +164,9 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-ms", type=float, default=0)
     p.add_argument("--same-batches", action="store_true")
+    p.add_argument("--dispatch", action="store_true", help="accelerate: rank 0 scatters")
+    p.add_argument("--no-dispatch", action="store_true", help="accelerate: never dispatch")
+    p.add_argument("--iterable", action="store_true", help="accelerate: an IterableDataset")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
     args = p.parse_args()
     if args.api == "trainer":
