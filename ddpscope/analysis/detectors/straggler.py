@@ -136,28 +136,45 @@ class _Sample:
     slow: bool
 
 
+#: A step counts in a window's run time for at most this many times the others' own
+#: work in it: a stall counts as a long step, not as a second of evidence.
+_SPAN_CAP = 8
+
+
 @dataclass
 class _Window:
-    """The last ``size`` samples, or more when they span less than ``min_span_ns``."""
+    """The last ``size`` samples, or more when they span less than ``min_span_ns``.
+
+    A stall (a rank stopped for seconds in one step, then resumed) would fill
+    ``min_span_ns`` on its own and leave a window of a few short steps after
+    it, where scheduler noise on a loaded machine looks persistent. So each
+    step counts in the span for at most ``_SPAN_CAP`` times the others' own
+    work in that step (a straggler 8x slower than the others still counts in
+    full).
+    """
 
     size: int
     min_span_ns: int
     cap: int
     samples: deque[_Sample] = field(default_factory=deque)
+    #: Each sample's share of ``span``, in the same order.
+    shares: deque[int] = field(default_factory=deque)
     slow: int = 0
     span: int = 0
 
     def push(self, sample: _Sample) -> None:
+        share = min(sample.dur, int(_SPAN_CAP * sample.ref))
         self.samples.append(sample)
+        self.shares.append(share)
         self.slow += sample.slow
-        self.span += sample.dur
-        samples = self.samples
+        self.span += share
+        samples, shares = self.samples, self.shares
         while len(samples) > self.cap or (
-            len(samples) > self.size and self.span - samples[0].dur >= self.min_span_ns
+            len(samples) > self.size and self.span - shares[0] >= self.min_span_ns
         ):
             old = samples.popleft()
             self.slow -= old.slow
-            self.span -= old.dur
+            self.span -= shares.popleft()
 
 
 @dataclass
