@@ -46,10 +46,21 @@ def torchrun_demo(*args: str) -> list[str]:
 
 
 def free_tcp_endpoint() -> str:
-    """A loopback port nobody holds now (never the default 5557: tests run side by side)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    """A loopback port nobody holds now, and the one above it (the control endpoint).
+
+    Never the default 5557: tests run side by side. The kernel picks the first
+    port; the one above it may be any process's, so both are checked.
+    """
+    for _ in range(100):
+        with socket.socket() as s, socket.socket() as above:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                above.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return f"tcp://127.0.0.1:{port}"
+    raise AssertionError("no two free loopback ports in a row")
 
 
 def port_free(endpoint: str) -> bool:

@@ -136,9 +136,12 @@ class _Sample:
     slow: bool
 
 
-#: A step counts in a window's run time for at most this many times the others' own
-#: work in it: a stall counts as a long step, not as a second of evidence.
-_SPAN_CAP = 8
+#: A step counts in a window's run time for at most this many typical steps (the
+#: lower median of it and the few before it): a stall is one long step, not a second
+#: of evidence.
+_SPAN_CAP = 3
+#: Step durations a window keeps to tell a typical step.
+_RECENT = 5
 
 
 @dataclass
@@ -148,9 +151,9 @@ class _Window:
     A stall (a rank stopped for seconds in one step, then resumed) would fill
     ``min_span_ns`` on its own and leave a window of a few short steps after
     it, where scheduler noise on a loaded machine looks persistent. So each
-    step counts in the span for at most ``_SPAN_CAP`` times the others' own
-    work in that step (a straggler 8x slower than the others still counts in
-    full).
+    step counts in the span for at most ``_SPAN_CAP`` times the lower median
+    of its own and the last ``_RECENT`` step durations: a straggler's steady
+    long steps count in full once they are the typical ones.
     """
 
     size: int
@@ -159,11 +162,15 @@ class _Window:
     samples: deque[_Sample] = field(default_factory=deque)
     #: Each sample's share of ``span``, in the same order.
     shares: deque[int] = field(default_factory=deque)
+    recent: deque[int] = field(default_factory=lambda: deque(maxlen=_RECENT))
     slow: int = 0
     span: int = 0
 
     def push(self, sample: _Sample) -> None:
-        share = min(sample.dur, int(_SPAN_CAP * sample.ref))
+        recent = self.recent
+        typical = sorted([*recent, sample.dur])[len(recent) // 2]
+        share = min(sample.dur, _SPAN_CAP * typical)
+        recent.append(sample.dur)
         self.samples.append(sample)
         self.shares.append(share)
         self.slow += sample.slow
