@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, job_env, torchrun
 
 from ddpscope.record import open_run
 from ddpscope.schema import (
@@ -22,6 +21,7 @@ from ddpscope.schema import (
     SamplerPassEnd,
     Step,
 )
+from tests.support.torchrun import DEMO, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
 

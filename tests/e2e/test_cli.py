@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, job_env
 
 from ddpscope.cli import run as run_cmd
 from ddpscope.cli.main import main
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import BucketLayout, End, Heartbeat, RunInfo, Step, encode
+from tests.support.torchrun import ROOT, job_env
 
 DDPSCOPE = [sys.executable, "-m", "ddpscope"]
 

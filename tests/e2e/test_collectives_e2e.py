@@ -14,12 +14,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, job_env, torchrun
-from recorded import brief, median, serious, steps_of
-from recorded import report_json as report
-from synth import split_ns as split
 
 from ddpscope.schema import WAITING_PHASES
+from tests.support.recorded import brief, median, serious, steps_of
+from tests.support.recorded import report_json as report
+from tests.support.synth import split_ns as split
+from tests.support.torchrun import DEMO, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, job_env, torchrun
 
 from ddpscope.analysis.detectors.desync import DesyncDetector
 from ddpscope.analysis.detectors.hparams import HyperparamDetector
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.findings import Finding, severity_at_least
 from ddpscope.analysis.sources import analyze_recording
+from tests.support.torchrun import DEMO, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
 

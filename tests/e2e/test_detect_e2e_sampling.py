@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, job_env, torchrun
 
 from ddpscope.analysis.detectors.sampling import (
     SetEpochDetector,
@@ -24,6 +23,7 @@ from ddpscope.analysis.findings import Finding, severity_at_least
 from ddpscope.analysis.sources import analyze_recording, merged
 from ddpscope.record import Recording
 from ddpscope.schema import SamplerPass, Step
+from tests.support.torchrun import DEMO, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
 

@@ -12,11 +12,19 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, _teardown_abort_only, job_env
-from faults import descendants, ends, kill_all, ranks_training, read_back, torchrun_demo, until
 
 from ddpscope.record.reader import open_run
 from ddpscope.schema import Step
+from tests.support.faults import (
+    descendants,
+    ends,
+    kill_all,
+    ranks_training,
+    read_back,
+    torchrun_demo,
+    until,
+)
+from tests.support.torchrun import ROOT, job_env, teardown_abort_only
 
 pytestmark = pytest.mark.torchrun
 
@@ -85,7 +93,7 @@ def test_a_rank_stopped_for_30_s_then_resumed_is_a_stall_that_resumed_not_an_exi
     stopped = time.monotonic() - stopped_at
     out, err = proc.communicate(timeout=300)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    assert proc.returncode == 0 or _teardown_abort_only(done), err[-3000:]
+    assert proc.returncode == 0 or teardown_abort_only(done), err[-3000:]
     assert "done: 96 steps on 2 ranks" in out
     rec = read_back(record)
     assert {r: sum(isinstance(m, Step) for m in msgs) for r, msgs in rec.messages.items()} == {

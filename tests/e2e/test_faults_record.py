@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, _teardown_abort_only, job_env
-from faults import DDPSCOPE, read_back, torchrun_demo
 
 from ddpscope.record.reader import RankFile
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import Step
 from ddpscope.transport.subscriber import Subscriber
+from tests.support.faults import DDPSCOPE, read_back, torchrun_demo
+from tests.support.torchrun import ROOT, job_env, teardown_abort_only
 
 
 def _mount_tmpfs(where: Path, options: str) -> None:
@@ -105,7 +105,7 @@ def test_a_disk_full_mid_run_stops_recording_with_one_warning_and_training_goes_
     finally:
         stop.set()
         listener.join(timeout=10)
-    assert proc.returncode == 0 or _teardown_abort_only(proc), proc.stderr[-3000:]
+    assert proc.returncode == 0 or teardown_abort_only(proc), proc.stderr[-3000:]
     assert "done: 128 steps on 2 ranks" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "stopped recording" in line]
     assert warnings and "No space left on device" in warnings[0]
@@ -131,7 +131,7 @@ def test_ranks_that_cannot_create_their_record_train_unrecorded_with_one_warning
     finally:
         stop.set()
         listener.join(timeout=10)
-    assert proc.returncode == 0 or _teardown_abort_only(proc), proc.stderr[-3000:]
+    assert proc.returncode == 0 or teardown_abort_only(proc), proc.stderr[-3000:]
     assert "done: 16 steps on 2 ranks" in proc.stdout
     warnings = [line for line in proc.stderr.splitlines() if "is not recording" in line]
     assert sorted(w.split("rank ")[1].split()[0] for w in warnings) == ["0", "1"], proc.stderr

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import ROOT, job_env
-from faults import (
+
+from tests.support.faults import (
     DDPSCOPE,
     GONE_S,
     LONG_JOB,
@@ -34,7 +34,8 @@ from faults import (
     torchrun_demo,
     until,
 )
-from terminal import Terminal
+from tests.support.terminal import Terminal
+from tests.support.torchrun import ROOT, job_env
 
 
 @pytest.fixture

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import _teardown_abort_only, job_env
-from faults import (
+
+from tests.support.faults import (
     DDPSCOPE,
     GONE_S,
     LONG_JOB,
@@ -38,7 +38,8 @@ from faults import (
     torchrun_demo,
     until,
 )
-from terminal import Terminal
+from tests.support.terminal import Terminal
+from tests.support.torchrun import job_env, teardown_abort_only
 
 SIZE = (160, 50)
 #: A command told to stop ends within this (torchrun waits for its workers first).
@@ -268,7 +269,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cmd = torchrun_demo("--epochs", "2")
     env = job_env(DDPSCOPE_RECORD=str(record), DDPSCOPE_ENDPOINT=endpoint)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 or _teardown_abort_only(proc), proc.stderr[-3000:]
+    assert proc.returncode == 0 or teardown_abort_only(proc), proc.stderr[-3000:]
     read_back(record)
     return record
 

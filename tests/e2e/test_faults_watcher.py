@@ -14,8 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, _teardown_abort_only, job_env
-from faults import (
+
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.analysis.snapshot import SnapshotRequest
+from ddpscope.record.reader import open_run
+from ddpscope.schema import Step
+from tests.support.faults import (
     DDPSCOPE,
     descendants,
     free_tcp_endpoint,
@@ -25,12 +29,8 @@ from faults import (
     torchrun_demo,
     until,
 )
-from terminal import Terminal
-
-from ddpscope.analysis.live import LiveFeed
-from ddpscope.analysis.snapshot import SnapshotRequest
-from ddpscope.record.reader import open_run
-from ddpscope.schema import Step
+from tests.support.terminal import Terminal
+from tests.support.torchrun import ROOT, job_env, teardown_abort_only
 
 pytestmark = pytest.mark.torchrun
 
@@ -95,7 +95,7 @@ def test_a_frozen_then_killed_watcher_leaves_the_job_running_and_a_new_one_catch
     assert history.header is not None and history.header.run_id == run_dir.name
     out, err = job.communicate(timeout=180)
     done = subprocess.CompletedProcess(job.args, job.returncode, out, err)
-    assert job.returncode == 0 or _teardown_abort_only(done), err[-3000:]
+    assert job.returncode == 0 or teardown_abort_only(done), err[-3000:]
     assert "done: 192 steps on 2 ranks" in out
 
 

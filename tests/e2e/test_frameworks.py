@@ -20,13 +20,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, job_env, torchrun
-from recorded import brief, median, serious, steps_of
-from recorded import report_json as report
-from synth import split_ns
 
 from ddpscope.record import open_run
 from ddpscope.schema import Fingerprint, RunInfo, SamplerPass, SamplerPassEnd, Step
+from tests.support.recorded import brief, median, serious, steps_of
+from tests.support.recorded import report_json as report
+from tests.support.synth import split_ns
+from tests.support.torchrun import ROOT, job_env, torchrun
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from synthetic import SyntheticRun, Wire, wait_received
 
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.analysis.snapshot import SnapshotRequest
@@ -35,6 +34,7 @@ from ddpscope.schema import (
     encode,
 )
 from ddpscope.transport.subscriber import Subscriber
+from tests.support.synthetic import SyntheticRun, Wire, wait_received
 
 
 def _raw(**body: object) -> bytes:

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-from synthetic import FrozenClock, SyntheticRun, Wire, clock_at, wait_received
 
 from ddpscope.analysis import monitor, views
 from ddpscope.analysis.live import LiveFeed
@@ -18,6 +17,7 @@ from ddpscope.config import load
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.schema import Step, encode
 from ddpscope.transport.subscriber import Subscriber
+from tests.support.synthetic import FrozenClock, SyntheticRun, Wire, clock_at, wait_received
 
 
 def _straggler_detectors() -> list:
@@ -351,9 +351,8 @@ def test_a_failing_detector_is_named_in_the_health_line_and_ingest_goes_on(endpo
 
 
 def test_the_bucket_view_handles_more_buckets_than_any_real_model() -> None:
-    import synth
-
     from ddpscope.analysis.engine import Analysis
+    from tests.support import synth
 
     analysis = synth.feed(
         Analysis([], history=64),

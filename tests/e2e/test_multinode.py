@@ -10,18 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from multinode import (
+
+from ddpscope.analysis.live import LiveFeed
+from ddpscope.record.reader import find_runs
+from ddpscope.replay.index import RecordingIndex
+from ddpscope.replay.player import ReplayFeed
+from tests.support.multinode import (
     DAY_NS,
     bucket_end_skew_ms,
     namespaces_work,
     run_two_nodes,
     shift_error_ns,
 )
-
-from ddpscope.analysis.live import LiveFeed
-from ddpscope.record.reader import find_runs
-from ddpscope.replay.index import RecordingIndex
-from ddpscope.replay.player import ReplayFeed
 
 pytestmark = [
     pytest.mark.torchrun,

@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, job_env, torchrun
 
 from ddpscope.analysis import report
 from ddpscope.record import find_runs, open_run
 from ddpscope.schema import Collectives
+from tests.support.torchrun import DEMO, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
 

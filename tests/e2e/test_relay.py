@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, ROOT, job_env, torchrun
-from synthetic import SyntheticRun
 
 from ddpscope.cli.run import torchrun_nnodes, wants_relay
 from ddpscope.config import load
@@ -22,6 +20,8 @@ from ddpscope.record import open_run
 from ddpscope.schema import End, Heartbeat, Message, Stacks, Step
 from ddpscope.transport.relay import Relay
 from ddpscope.transport.subscriber import Subscriber
+from tests.support.synthetic import SyntheticRun
+from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 
 ENVELOPE = {f.name for f in dataclasses.fields(Message)}
 RUN = "relay-run"

@@ -14,8 +14,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
-import synth
-from conftest import DEMO, job_env, torchrun
 from textual.pilot import Pilot
 
 from ddpscope.analysis.monitor import Monitor
@@ -28,6 +26,8 @@ from ddpscope.replay.player import ReplayClock, ReplayFeed, ReplayStatus
 from ddpscope.schema import End, encode
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.replay import ReplayApp
+from tests.support import synth
+from tests.support.torchrun import DEMO, job_env, torchrun
 
 ALL = SnapshotRequest(series=True, buckets=True)
 

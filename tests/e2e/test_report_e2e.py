@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, ROOT, job_env, torchrun
 
 from ddpscope.analysis import report
+from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
 

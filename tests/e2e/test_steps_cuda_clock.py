@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 import torch
-from fake_cuda import FakeEvent
 
 from ddpscope.config import load
 from ddpscope.hooks import steps as steps_mod
 from ddpscope.hooks.clocks import EventClock
 from ddpscope.hooks.publisher import Publisher
+from tests.support.fake_cuda import FakeEvent
 
 
 class FakeModule:

@@ -9,12 +9,12 @@ import time
 from collections.abc import Callable
 
 import pytest
-from conftest import DEMO, ROOT, job_env
 from textual.pilot import Pilot
 
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.detail import RankDetailScreen
+from tests.support.torchrun import DEMO, ROOT, job_env
 
 pytestmark = pytest.mark.torchrun
 

@@ -6,8 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from conftest import job_env
-from terminal import Terminal
+from tests.support.terminal import Terminal
+from tests.support.torchrun import job_env
 
 JOB = "import time; print('hello from the job', flush=True); time.sleep(1.5); raise SystemExit(4)"
 

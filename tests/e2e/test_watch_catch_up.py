@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import synth
-
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.analysis.snapshot import SnapshotRequest
+from tests.support import synth
 
 MS = synth.MS
 BASE = synth.Phases(

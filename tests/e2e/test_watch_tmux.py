@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, ROOT, job_env
+
+from tests.support.torchrun import DEMO, ROOT, job_env
 
 pytestmark = [
     pytest.mark.torchrun,

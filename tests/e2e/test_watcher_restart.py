@@ -11,10 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, ROOT, _teardown_abort_only, job_env
 
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
+from tests.support.torchrun import DEMO, ROOT, job_env, teardown_abort_only
 
 pytestmark = pytest.mark.torchrun
 
@@ -86,7 +86,7 @@ def test_a_restarted_watcher_catches_up_and_the_job_never_notices(
     assert [r.rank for r in later.rows] == [0, 1]
     assert _step(caught_up) > _step(before)  # it did not start over: steps kept counting
     proc = subprocess.CompletedProcess(cmd, job.returncode, out, err)
-    assert job.returncode == 0 or _teardown_abort_only(proc), err[-4000:]
+    assert job.returncode == 0 or teardown_abort_only(proc), err[-4000:]
     assert "done: 192 steps on 2 ranks" in out
     assert third.caught_up > 0 and _step(history) >= _step(later)
     # The sparkline holds the recorded steps too, not only those since this watcher started.

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, ROOT, job_env, torchrun
 
 from ddpscope.record import open_run
 from ddpscope.schema import BucketLayout, Fingerprint, Message, SamplerPassEnd, Step
+from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 
 DDPSCOPE_RUN = [sys.executable, "-m", "ddpscope", "run"]
 JOB = [str(DEMO), "--epochs", "1", "--samples", "256"]

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
-from conftest import DEMO
 
 from ddpscope.record.reader import Recording, open_run
 from ddpscope.schema import End, Step
+from tests.support.torchrun import DEMO
 
 DDPSCOPE = [sys.executable, "-m", "ddpscope"]
 #: torch 2.13's torchrun exits 1 after passing a death signal (SIGINT, SIGTERM,

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import DEMO, ROOT, job_env
+from tests.support.torchrun import DEMO, ROOT, job_env
 
 #: How far ahead the second node's monotonic clock runs.
 DAY_NS = 86_400 * 10**9

@@ -9,10 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from conftest import ROOT, job_env
-
 from ddpscope.record import open_run
 from ddpscope.schema import Step
+from tests.support.torchrun import ROOT, job_env
 
 
 def report_json(rec: Path, *args: str) -> dict[str, Any]:

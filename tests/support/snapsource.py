@@ -12,12 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from synth import sequenced
-
 from ddpscope.analysis.engine import Detector
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 from ddpscope.schema import Message
+from tests.support.synth import sequenced
 
 
 @dataclass

@@ -13,7 +13,7 @@ import struct
 import termios
 import time
 
-from conftest import ROOT
+from tests.support.torchrun import ROOT
 
 ANSI = re.compile(rb"\x1b\[[0-9;?<>=]*[A-Za-z]|\x1b[()][A-Za-z0-9]|\x1b[=>]")
 

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from synth import RUN, SITE_LOSS, constant, feed, findings, heartbeat, lockstep, run_infos
-from test_detect_sampling import WORLD, B, Sim, uneven_plans
-
 from ddpscope.analysis.causes import link_causes
 from ddpscope.analysis.detectors.liveness import HangDetector, RankExitDetector
 from ddpscope.analysis.detectors.recipe import CollectiveMismatchDetector
@@ -22,6 +19,17 @@ from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import End, Message
+from tests.support.synth import (
+    RUN,
+    SITE_LOSS,
+    constant,
+    feed,
+    findings,
+    heartbeat,
+    lockstep,
+    run_infos,
+)
+from tests.unit.test_detect_sampling import WORLD, B, Sim, uneven_plans
 
 S = 1_000_000_000
 

@@ -7,9 +7,8 @@ as torch.cuda.Event(enable_timing=True).
 
 from __future__ import annotations
 
-from fake_cuda import FakeEvent
-
 from ddpscope.hooks.clocks import EventClock, HostClock
+from tests.support.fake_cuda import FakeEvent
 
 
 def test_host_clock_tokens_are_monotonic_nanoseconds() -> None:

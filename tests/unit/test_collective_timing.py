@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from synth import split_ns as _split
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -24,6 +23,7 @@ import ddpscope
 from ddpscope.hooks import collectives
 from ddpscope.record import open_run
 from ddpscope.schema import Step
+from tests.support.synth import split_ns as _split
 
 HERE = Path(__file__).name
 

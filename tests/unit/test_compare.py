@@ -16,14 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, ROOT, job_env, torchrun
-from synth import MS, Phases, constant, lockstep, run_infos, straggler, with_collectives
 
 from ddpscope.analysis import compare
 from ddpscope.cli.compare import METRIC_CHOICES
 from ddpscope.cli.main import main
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import End, Message, Step, encode
+from tests.support.synth import (
+    MS,
+    Phases,
+    constant,
+    lockstep,
+    run_infos,
+    straggler,
+    with_collectives,
+)
+from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 
 S = 1_000_000_000
 WALL0 = 1_700_000_000 * S

@@ -49,7 +49,7 @@ def test_control_endpoint_is_derived_from_the_data_endpoint() -> None:
 def test_every_option_has_a_variable_and_is_documented() -> None:
     names = {f.name for f in dataclasses.fields(Options)}
     assert names == set(OPTIONS)
-    doc = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     for var, _ in OPTIONS.values():
         assert var in doc, f"{var} missing from docs/configuration.md"
 

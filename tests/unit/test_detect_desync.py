@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from synth import BUFFERS, PARAMS, feed, findings, fingerprint, run_infos
-
 from ddpscope.analysis.detectors.desync import DesyncDetector, compare
 from ddpscope.analysis.engine import Analysis
 from ddpscope.schema import End, Fingerprint, Message
+from tests.support.synth import BUFFERS, PARAMS, feed, findings, fingerprint, run_infos
 
 P = [11, 22, 33, 44]  # digests of PARAMS, in RunInfo order
 B = [55, 66, 77]  # digests of BUFFERS

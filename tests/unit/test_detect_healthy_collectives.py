@@ -15,12 +15,22 @@ import random
 from typing import Any
 
 import pytest
-from synth import MS, RUN, Phases, feed, findings, healthy, lockstep, run_infos, straggler
 
 from ddpscope.analysis.detectors import default_detectors
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import severity_at_least
 from ddpscope.schema import End, Heartbeat, Message, Shutdown
+from tests.support.synth import (
+    MS,
+    RUN,
+    Phases,
+    feed,
+    findings,
+    healthy,
+    lockstep,
+    run_infos,
+    straggler,
+)
 
 BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)
 

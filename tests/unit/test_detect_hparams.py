@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import random
 
-from synth import MS, constant, feed, findings, hparams, lockstep, run_infos
-
 from ddpscope.analysis.detectors.hparams import HyperparamDetector, flatten, same
 from ddpscope.analysis.engine import Analysis
 from ddpscope.schema import End, HParams, Message
+from tests.support.synth import MS, constant, feed, findings, hparams, lockstep, run_infos
 
 
 def detector() -> Analysis:

@@ -10,7 +10,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from synth import (
+
+from ddpscope.analysis.detectors.liveness import (
+    HANG_COLD_S,
+    HangDetector,
+    RankExitDetector,
+    error_line,
+    ranks_text,
+)
+from ddpscope.analysis.detectors.telemetry import TelemetryDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.schema import End, Message, Stacks
+from tests.support.synth import (
     MS,
     RUN,
     SITE_BARRIER,
@@ -24,17 +35,6 @@ from synth import (
     run_infos,
     step_at,
 )
-
-from ddpscope.analysis.detectors.liveness import (
-    HANG_COLD_S,
-    HangDetector,
-    RankExitDetector,
-    error_line,
-    ranks_text,
-)
-from ddpscope.analysis.detectors.telemetry import TelemetryDetector
-from ddpscope.analysis.engine import Analysis
-from ddpscope.schema import End, Message, Stacks
 
 S = 1_000_000_000
 TICK = 250 * MS

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from synth import findings, heartbeat, run_infos
 
 from ddpscope.analysis.detectors.sampling import (
     UNION_BUDGET,
@@ -30,6 +29,7 @@ from ddpscope.analysis.detectors.sampling import (
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding
 from ddpscope.schema import End, Message, SamplerPass, SamplerPassEnd, Step
+from tests.support.synth import findings, heartbeat, run_infos
 
 RUN = "synth-run"
 DIST = "torch.utils.data.distributed.DistributedSampler"

@@ -9,7 +9,15 @@ import statistics
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from synth import (
+
+from ddpscope.analysis.detectors.straggler import (
+    StragglerDetector,
+    bucket_waits,
+    median_without,
+)
+from ddpscope.analysis.engine import Analysis
+from ddpscope.schema import Message, Step
+from tests.support.synth import (
     MS,
     Phases,
     constant,
@@ -20,14 +28,6 @@ from synth import (
     run_infos,
     straggler,
 )
-
-from ddpscope.analysis.detectors.straggler import (
-    StragglerDetector,
-    bucket_waits,
-    median_without,
-)
-from ddpscope.analysis.engine import Analysis
-from ddpscope.schema import Message, Step
 
 #: A realistic step (~100 ms): the 20-step window then spans 2 s, above the 1 s floor.
 BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)

@@ -32,7 +32,7 @@ from ddpscope.schema import (
     Message,
 )
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 WIRE = (DOCS / "wire-schema.md").read_text()
 RECORD = (DOCS / "record-format.md").read_text()
 

@@ -22,8 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import DEMO, ROOT, job_env, torchrun
-from synth import (
+
+from ddpscope.cli.main import main
+from ddpscope.export.chrome import PHASES, phase_layout
+from ddpscope.export.table import COLUMNS
+from ddpscope.record.reader import open_run
+from ddpscope.record.writer import RecordWriter
+from ddpscope.schema import End, Heartbeat, Message, RunInfo, Step, encode
+from tests.support.synth import (
     MS,
     Phases,
     constant,
@@ -34,13 +40,7 @@ from synth import (
     straggler,
     with_collectives,
 )
-
-from ddpscope.cli.main import main
-from ddpscope.export.chrome import PHASES, phase_layout
-from ddpscope.export.table import COLUMNS
-from ddpscope.record.reader import open_run
-from ddpscope.record.writer import RecordWriter
-from ddpscope.schema import End, Heartbeat, Message, RunInfo, Step, encode
+from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 
 S = 1_000_000_000
 WALL0 = 1_700_000_000 * S

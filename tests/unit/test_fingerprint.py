@@ -28,7 +28,7 @@ from ddpscope.hooks.fingerprint import (
     hparams_key,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 U64 = 1 << 64
 MASK = U64 - 1
 

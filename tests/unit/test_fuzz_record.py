@@ -16,7 +16,6 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from synthetic import SyntheticRun
 
 from ddpscope.record import RankFile, RecordError, open_run
 from ddpscope.record.format import (
@@ -30,6 +29,7 @@ from ddpscope.record.format import (
 )
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import Message, encode
+from tests.support.synthetic import SyntheticRun
 
 HEADER = {"run_id": "fuzz", "rank": 1, "world_size": 2, "host": "h", "pid": 7, "wall_ns": 5}
 

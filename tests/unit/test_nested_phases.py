@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from synth import split_ns
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
 from ddpscope.record import open_run
 from ddpscope.schema import Step
+from tests.support.synth import split_ns
 
 #: Work that dominates the step, so a phase counted twice cannot hide in noise.
 FORWARD_SLEEP_S = 0.02

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from synth import MS, RUN, constant, feed, findings, heartbeat, hparams, lockstep, run_infos
 
 from ddpscope.analysis.detectors.liveness import HangDetector
 from ddpscope.analysis.detectors.recipe import (
@@ -42,6 +41,17 @@ from ddpscope.schema import (
     Step,
     decode,
     encode,
+)
+from tests.support.synth import (
+    MS,
+    RUN,
+    constant,
+    feed,
+    findings,
+    heartbeat,
+    hparams,
+    lockstep,
+    run_infos,
 )
 
 S = 1_000_000_000

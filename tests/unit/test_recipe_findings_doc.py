@@ -9,7 +9,7 @@ import pytest
 
 from ddpscope.analysis.detectors import default_detectors
 
-DOC = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text()
+DOC = (Path(__file__).resolve().parents[2] / "docs" / "findings.md").read_text()
 KINDS = sorted({k for det in default_detectors() for k in det.kinds})
 PARTS = ("**Severity:**", "**What it means.**", "**Example:**", "**Evidence:**", "**Fix:**")
 

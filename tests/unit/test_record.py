@@ -128,7 +128,7 @@ def test_file_of_a_sigkilled_writer_reads_back(tmp_path: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[1])
+    proc = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parents[2])
     assert proc.returncode == -9
     rec = open_run(str(tmp_path))
     assert [m.seq for m in rec.messages[0]] == list(range(200))

@@ -20,13 +20,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, job_env
-from synth import MS, constant, heartbeat, lockstep, run_infos, step_at, straggler, with_collectives
 
 from ddpscope.analysis import report
 from ddpscope.cli.main import main
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import End, Message, Stacks, Step, encode
+from tests.support.synth import (
+    MS,
+    constant,
+    heartbeat,
+    lockstep,
+    run_infos,
+    step_at,
+    straggler,
+    with_collectives,
+)
+from tests.support.torchrun import ROOT, job_env
 
 S = 1_000_000_000
 WALL0 = 1_700_000_000 * S
@@ -490,10 +499,9 @@ def test_skipped_records_are_folded_per_file() -> None:
 
 
 def test_allreduce_wait_is_time_beyond_the_fastest_rank() -> None:
-    from synth import Phases, straggler
-
     from ddpscope.analysis.engine import Analysis
     from ddpscope.analysis.sources import replay
+    from tests.support.synth import Phases, straggler
 
     slow = straggler(constant(), 1, extra_ns={"backward": 20 * MS})
     analysis = replay(

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from synthetic import SyntheticRun, Wire, wait_received
 from textual.pilot import Pilot
 
 from ddpscope.analysis.live import LiveFeed
@@ -27,6 +26,7 @@ from ddpscope.ui.logview import LogView
 from ddpscope.ui.ranks import RanksTable
 from ddpscope.ui.rows import RowsView
 from ddpscope.ui.steptimes import StepTimes
+from tests.support.synthetic import SyntheticRun, Wire, wait_received
 
 SLOW = 4
 

@@ -16,8 +16,6 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 from rich.console import Console, RenderableType
-from snapsource import MonitorSource
-from synth import MS, constant, heartbeat, lockstep, run_infos, straggler, with_collectives
 from textual.pilot import Pilot
 from textual.widget import Widget
 
@@ -30,6 +28,16 @@ from ddpscope.ui.findings import FindingsPanel, card
 from ddpscope.ui.phases import SEGMENTS, PhaseBars
 from ddpscope.ui.ranks import RanksTable
 from ddpscope.ui.rows import RowsView
+from tests.support.snapsource import MonitorSource
+from tests.support.synth import (
+    MS,
+    constant,
+    heartbeat,
+    lockstep,
+    run_infos,
+    straggler,
+    with_collectives,
+)
 
 SLOW = 1
 SPLIT = ("ar wt", "sync", "coll", "data", "fwd", "bwd", "opt", "other")

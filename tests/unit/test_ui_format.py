@@ -120,9 +120,8 @@ def test_a_bar_fills_its_width_in_proportion_and_never_overflows() -> None:
 
 
 def test_the_phase_column_names_the_collective_and_the_time_spent_waiting() -> None:
-    from synth import heartbeat
-
     from ddpscope.analysis.views import activity, blocked_in
+    from tests.support.synth import heartbeat
 
     ddp = heartbeat(0, 6, 1, phase="collective", in_phase_s=70.4, coll_op="broadcast",
                     coll_class="ddp")  # fmt: skip

@@ -13,12 +13,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from synthetic import SyntheticRun, Wire, clock_at, wait_received
 from textual.pilot import Pilot
 
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.detail import RankDetailScreen
+from tests.support.synthetic import SyntheticRun, Wire, clock_at, wait_received
 
 pytest.importorskip("pytest_textual_snapshot")
 
@@ -122,8 +122,8 @@ def test_dashboard_at_200x50(app: WatchApp, snap_compare: SnapCompare) -> None:
 def bn_app() -> WatchApp:
     """Three ranks with BatchNorm and a loss all-reduce; rank 1 loads data 20 ms longer,
     so the others wait in DDP's buffer broadcast (see test_ui_collectives.py)."""
-    from snapsource import MonitorSource
-    from test_ui_collectives import batchnorm_run
+    from tests.support.snapsource import MonitorSource
+    from tests.unit.test_ui_collectives import batchnorm_run
 
     straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
     source = MonitorSource.of(batchnorm_run(), [straggler.StragglerDetector()])

@@ -1,0 +1,1 @@
+"""Helpers the tests and benchmarks share: import as tests.support.<module>."""
