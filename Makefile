@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d
 NPROC ?= 2
 RUNS ?= runs
 
-.PHONY: setup demo test test-frameworks lint bench hooks clean
+.PHONY: setup demo test test-unit test-e2e test-frameworks lint bench hooks clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# The in-process tests alone, or the real jobs, processes, sockets and
+# terminals alone.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit
+
+test-e2e: $(STAMP)
+	$(PY) -m pytest -q tests/e2e
+
 # The tier of real Lightning, transformers/accelerate and torch.compile jobs
 # alone (`make test` runs it too).
 test-frameworks: $(STAMP)
@@ -47,7 +55,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/overhead.py
+	$(PY) -m benchmarks.overhead
 
 hooks:
 	git config core.hooksPath hooks

@@ -14,7 +14,7 @@ gives that baseline. Medians over steps, per job; --jobs repeats. Since the
 namespace's offset is known exactly, the estimated shift is checked against
 it too (``shift_error_us``): the method's own error, without the collective.
 
-    python benchmarks/clock_alignment.py --jobs 3
+    python -m benchmarks.clock_alignment --jobs 3
 """
 
 from __future__ import annotations
@@ -22,14 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from multinode import (  # noqa: E402
+from tests.support.multinode import (
     DAY_NS,
     bucket_end_skew_ms,
     namespaces_work,

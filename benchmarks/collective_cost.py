@@ -9,7 +9,7 @@ blocks, so every block is booked in a fresh step as in a real loop. The cost
 is the median over blocks of (with - without) per call, with the quartiles
 of that difference as its spread.
 
-    python benchmarks/collective_cost.py [--blocks 31] [--calls 200]
+    python -m benchmarks.collective_cost [--blocks 31] [--calls 200]
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from table import print_rows  # benchmarks/table.py (this script's folder is on sys.path)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
+from benchmarks.table import print_rows
 from ddpscope.hooks import attach as attach_mod
 from ddpscope.hooks import collectives, recipe
 

@@ -10,7 +10,7 @@ That attaching adds no graph break is checked by tests/test_frameworks.py (two
 jobs, one watched, compared on dynamo's counters): here the second model reuses
 code the first compiled, so its counters say nothing.
 
-    python benchmarks/compile_overhead.py --wrap compile-ddp --blocks 30
+    python -m benchmarks.compile_overhead --wrap compile-ddp --blocks 30
 """
 
 from __future__ import annotations

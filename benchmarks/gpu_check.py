@@ -1,6 +1,6 @@
 """Checks of the CUDA paths, for a machine with a GPU (none runs in CI).
 
-    python benchmarks/gpu_check.py --out gpu_check.json
+    python -m benchmarks.gpu_check --out gpu_check.json
 
 1. Fingerprints computed on the GPU equal those of the same tensors on the
    CPU, for every dtype ddpscope digests (the hash is defined on raw bits).

@@ -6,7 +6,7 @@ hits both; the per-step difference of the block medians is the hook cost.
 Run with 1 bucket and with many to split the cost into a per-step part and
 a per-bucket part.
 
-    python benchmarks/hook_cost.py
+    python -m benchmarks.hook_cost
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ sockets). It measures:
   a missing set_epoch (at the first batch of the repeated pass), a hang
   (within its threshold).
 
-    python benchmarks/ingest.py                 # everything, JSON on stdout
-    python benchmarks/ingest.py --minutes 1 --skip-memory
+    python -m benchmarks.ingest                 # everything, JSON on stdout
+    python -m benchmarks.ingest --minutes 1 --skip-memory
 
 Needs every detector module (default_detectors()).
 """
@@ -39,10 +39,12 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tests/synth.py: the shared synthetic stream
-
-from synth import (  # noqa: E402
+from ddpscope.analysis.detectors import default_detectors
+from ddpscope.analysis.detectors.liveness import HangDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.sources import replay
+from ddpscope.schema import Message, SamplerPass, SamplerPassEnd, Step
+from tests.support.synth import (
     MS,
     Phases,
     fingerprint,
@@ -52,12 +54,6 @@ from synth import (  # noqa: E402
     run_infos,
     straggler,
 )
-
-from ddpscope.analysis.detectors import default_detectors  # noqa: E402
-from ddpscope.analysis.detectors.liveness import HangDetector  # noqa: E402
-from ddpscope.analysis.engine import Analysis  # noqa: E402
-from ddpscope.analysis.sources import replay  # noqa: E402
-from ddpscope.schema import Message, SamplerPass, SamplerPassEnd, Step  # noqa: E402
 
 S = 1_000_000_000
 TICK_NS = 250 * MS

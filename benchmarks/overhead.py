@@ -7,7 +7,7 @@ figure does not depend on ddpscope's own clocks. Per job: median step time
 over the steps after warm-up; per pair: with / without; reported: the
 median of the pair ratios and their spread.
 
-    python benchmarks/overhead.py --pairs 7
+    python -m benchmarks.overhead --pairs 7
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ the same batches. The ratio of each adjacent pair of blocks is one sample;
 the median of those is the figure. Default settings (automatic fingerprints,
 bucket timing, heartbeats, recording off unless --record).
 
-    python benchmarks/overhead_interleaved.py --blocks 40
+    python -m benchmarks.overhead_interleaved --blocks 40
 """
 
 from __future__ import annotations

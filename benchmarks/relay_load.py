@@ -25,9 +25,9 @@ gaps at the watcher, and sends the ranks' sockets refused), the watcher's CPU
 (share of one core) and RSS, and the lag (median, 99th percentile, worst) over
 the measured window (after a 5 s warm-up).
 
-    python benchmarks/relay_load.py                       # 1,024 ranks, 8 relays, 30 s
-    python benchmarks/relay_load.py --ranks 256 --relays 2 --seconds 20
-    python benchmarks/relay_load.py --json
+    python -m benchmarks.relay_load                       # 1,024 ranks, 8 relays, 30 s
+    python -m benchmarks.relay_load --ranks 256 --relays 2 --seconds 20
+    python -m benchmarks.relay_load --json
 """
 
 from __future__ import annotations
@@ -48,12 +48,9 @@ from typing import Any
 
 import psutil
 import zmq
-from table import print_rows  # benchmarks/table.py (this script's folder is on sys.path)
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from ddpscope.schema import (  # noqa: E402
+from benchmarks.table import print_rows
+from ddpscope.schema import (
     BucketLayout,
     Heartbeat,
     Message,
@@ -61,6 +58,8 @@ from ddpscope.schema import (  # noqa: E402
     Step,
     encode,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 RUN = "relay-load"
 WARMUP_S = 5.0
@@ -292,7 +291,8 @@ def role_watcher(args: argparse.Namespace) -> None:
 
 
 def _spawn(role: str, *extra: str) -> psutil.Popen:
-    cmd = [sys.executable, __file__, "--role", role, *extra]
+    # As a module from the root, as the benchmark itself runs, so its imports resolve.
+    cmd = [sys.executable, "-m", "benchmarks.relay_load", "--role", role, *extra]
     return psutil.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
 

@@ -15,8 +15,8 @@ this process:
 - seeking: N jumps to random steps after the index is complete, each timed
   from the command to the snapshot built at the target. Goal: under 0.5 s.
 
-    python benchmarks/replay_open.py                      # JSON on stdout
-    python benchmarks/replay_open.py --dir /tmp/rec64 --seeks 30
+    python -m benchmarks.replay_open                      # JSON on stdout
+    python -m benchmarks.replay_open --dir /tmp/rec64 --seeks 30
 """
 
 from __future__ import annotations
@@ -28,24 +28,19 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))  # tests/synth.py: the shared synthetic stream
-
-from synth import MS, Phases, healthy, lockstep, run_infos, straggler  # noqa: E402
-
-from ddpscope.analysis.snapshot import SnapshotRequest  # noqa: E402
-from ddpscope.record.reader import find_runs  # noqa: E402
-from ddpscope.record.writer import RecordWriter  # noqa: E402
-from ddpscope.replay.index import RecordingIndex  # noqa: E402
-from ddpscope.replay.player import ReplayFeed  # noqa: E402
-from ddpscope.schema import End, encode  # noqa: E402
+from ddpscope.analysis.snapshot import SnapshotRequest
+from ddpscope.record.reader import find_runs
+from ddpscope.record.writer import RecordWriter
+from ddpscope.replay.index import RecordingIndex
+from ddpscope.replay.player import ReplayFeed
+from ddpscope.schema import End, encode
+from tests.support.synth import MS, Phases, healthy, lockstep, run_infos, straggler
 
 RUN = "bench-replay"
 BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)

@@ -1,6 +1,6 @@
 """Does `ddpscope watch` keep up? A synthetic job (no torch) at a fixed pace, the real watcher.
 
-For each world size: a publisher process (tests/synthetic.py) sends what N
+For each world size: a publisher process (tests/support/synthetic.py) sends what N
 ranks at 10 steps/s with 32 buckets would send (one step message per rank
 per step, a heartbeat per rank per second, run info every 5 s); the watcher
 runs as users run it, `python -m ddpscope watch`, on a pseudo-terminal at
@@ -15,8 +15,8 @@ drawn, the heaviest layout). Measured from outside the watcher process:
   shows its effect (space pauses: "PAUSED" appears; space resumes: "LIVE";
   2/1 switch views), median and worst of many presses.
 
-    python benchmarks/watch_load.py                  # 256 and 1,024 ranks
-    python benchmarks/watch_load.py --worlds 256 512 1024 2048 --seconds 30
+    python -m benchmarks.watch_load                  # 256 and 1,024 ranks
+    python -m benchmarks.watch_load --worlds 256 512 1024 2048 --seconds 30
 
 Prints a Markdown table (and JSON with --json).
 """
@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from table import print_rows  # benchmarks/table.py (this script's folder is on sys.path)
-from watch_pty import Terminal
+
+from benchmarks.table import print_rows
+from benchmarks.watch_pty import Terminal
 
 ROOT = Path(__file__).resolve().parents[1]
-SYNTHETIC = ROOT / "tests" / "synthetic.py"
+SYNTHETIC = "tests.support.synthetic"  # run with -m from ROOT
 LAG = re.compile(r"lag (\d+)ms")
 RX = re.compile(r"rx ([\d.]+[kM]?) \(([\d.]+[kM]?)/s\)")
 DROPPED = re.compile(r"dropped ([\d.]+[kM]?)")
@@ -76,7 +77,7 @@ def measure(world: int, seconds: float, rate: float, buckets: int, presses: int)
     term = Terminal(watch, env, size=(200, 50), cwd=str(ROOT))
     term.wait_for("listening on", timeout=30)
     pub = psutil.Popen(
-        [sys.executable, str(SYNTHETIC), endpoint, "--world", str(world), "--buckets",
+        [sys.executable, "-m", SYNTHETIC, endpoint, "--world", str(world), "--buckets",
          str(buckets), "--rate", str(rate), "--seconds", str(seconds + 15)],
         env=env, cwd=ROOT,
     )  # fmt: skip

@@ -6,7 +6,7 @@ listens) has been drawn: interpreter start, imports (no torch), binding the
 sockets, loading the detectors and Textual's first render, as a user sees it.
 Also timed: `ddpscope --help` (parser only) for comparison.
 
-    python benchmarks/watch_startup.py --runs 9
+    python -m benchmarks.watch_startup --runs 9
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from watch_pty import Terminal
+from benchmarks.watch_pty import Terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 
