@@ -1,6 +1,6 @@
 """Does `ddpscope watch` keep up? A synthetic job (no torch) at a fixed pace, the real watcher.
 
-For each world size: a publisher process (tests/support/synthetic.py) sends what N
+For each world size: a publisher process (tests/support/wire.py) sends what N
 ranks at 10 steps/s with 32 buckets would send (one step message per rank
 per step, a heartbeat per rank per second, run info every 5 s); the watcher
 runs as users run it, `python -m ddpscope watch`, on a pseudo-terminal at
@@ -40,7 +40,7 @@ from benchmarks.table import print_rows
 from benchmarks.watch_pty import Terminal
 
 ROOT = Path(__file__).resolve().parents[1]
-SYNTHETIC = "tests.support.synthetic"  # run with -m from ROOT
+SYNTHETIC = "tests.support.wire"  # run with -m from ROOT
 LAG = re.compile(r"lag (\d+)ms")
 RX = re.compile(r"rx ([\d.]+[kM]?) \(([\d.]+[kM]?)/s\)")
 DROPPED = re.compile(r"dropped ([\d.]+[kM]?)")

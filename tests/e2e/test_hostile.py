@@ -34,7 +34,8 @@ from ddpscope.schema import (
     encode,
 )
 from ddpscope.transport.subscriber import Subscriber
-from tests.support.synthetic import SyntheticRun, Wire, wait_received
+from tests.support.synth import SyntheticRun
+from tests.support.wire import Wire, wait_received
 
 
 def _raw(**body: object) -> bytes:

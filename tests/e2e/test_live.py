@@ -17,7 +17,8 @@ from ddpscope.config import load
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.schema import Step, encode
 from ddpscope.transport.subscriber import Subscriber
-from tests.support.synthetic import FrozenClock, SyntheticRun, Wire, clock_at, wait_received
+from tests.support.synth import FrozenClock, SyntheticRun, clock_at
+from tests.support.wire import Wire, wait_received
 
 
 def _straggler_detectors() -> list:

@@ -20,7 +20,7 @@ from ddpscope.record import open_run
 from ddpscope.schema import End, Heartbeat, Message, Stacks, Step
 from ddpscope.transport.relay import Relay
 from ddpscope.transport.subscriber import Subscriber
-from tests.support.synthetic import SyntheticRun
+from tests.support.synth import SyntheticRun
 from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 
 ENVELOPE = {f.name for f in dataclasses.fields(Message)}

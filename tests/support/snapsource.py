@@ -1,14 +1,17 @@
 """The watch app's snapshot-source seam, with no socket and no thread.
 
 :class:`MonitorSource` is what :class:`ddpscope.ui.app.WatchApp` needs from
-its source (the ``SnapshotSource`` protocol): a Monitor fed synthetic
-messages up front, which builds each snapshot the app asks for at once, on
-the app's own thread, with a frozen clock. UI tests get exact screens in
-milliseconds instead of waiting on ZeroMQ and polls (memray's mock reader).
+its source (the ``SnapshotSource`` protocol): a real Monitor fed synthetic
+messages, which builds each snapshot the app asks for at once, on the app's
+own thread, with a frozen clock. UI tests get exact screens in milliseconds
+instead of waiting on ZeroMQ and polls (memray's mock reader). A test may
+hand it more messages while the app runs (:meth:`MonitorSource.send`), as
+ranks would; the real socket path is tested in tests/e2e.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -16,42 +19,58 @@ from ddpscope.analysis.engine import Detector
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 from ddpscope.schema import Message
-from tests.support.synth import sequenced
+from tests.support.synth import WALL0_NS, FrozenClock
 
-
-@dataclass
-class Frozen:
-    mono: int
-    wall: int
-
-    def mono_ns(self) -> int:
-        return self.mono
-
-    def wall_ns(self) -> int:
-        return self.wall
+#: How long after the newest message a clock that follows the messages reads.
+AFTER_NS = 1_000_000
 
 
 @dataclass
 class MonitorSource:
     monitor: Monitor
+    clock: FrozenClock
+    #: True: the clock follows the newest message (each received at its sender
+    #: time); False: it stays where the test set it (each received then).
+    follow: bool = True
     received: int = 0
     endpoint: str = "synthetic"
     requests: list[tuple[str, int]] = field(default_factory=list)
     _listener: Callable[[Snapshot], None] | None = None
+    _seq: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, msgs: Iterable[Message], detectors: Iterable[Detector] = ()) -> MonitorSource:
-        """A source holding ``msgs`` (received at their sender times), the clock
-        frozen just after the last, the detectors ticked once there."""
-        msgs = sequenced(msgs)
-        last = max(m.t for m in msgs)
-        # synth's run_info anchors wall time at 1.7e18 + monotonic.
-        clock = Frozen(mono=last + 1_000_000, wall=1_700_000_000_000_000_000 + last + 1_000_000)
-        monitor = Monitor(list(detectors), clock=clock, measure_lag=False)
+    def of(
+        cls,
+        msgs: Iterable[Message],
+        detectors: Iterable[Detector] = (),
+        clock: FrozenClock | None = None,
+        follow: bool | None = None,
+    ) -> MonitorSource:
+        """A source holding ``msgs``, the detectors ticked once after them.
+
+        Without ``clock`` each message is received at its sender time and the
+        clock (synth's anchors) is frozen just after the last; with one, every
+        message is received at its reading, as a live feed with that clock
+        takes a burst, unless ``follow`` moves it on from there.
+        """
+        follow = clock is None if follow is None else follow
+        frozen = clock if clock is not None else FrozenClock(mono=0, wall=WALL0_NS)
+        source = cls(Monitor(list(detectors), clock=frozen, measure_lag=False), frozen, follow)
+        source.send(msgs)
+        return source
+
+    def send(self, msgs: Iterable[Message]) -> None:
+        """Receive ``msgs`` in order, with per-rank sequence numbers as a
+        publisher assigns them, then tick the detectors once."""
         for m in msgs:
-            monitor.take(m, m.t)
-        monitor.tick()
-        return cls(monitor, received=len(msgs))
+            key = (m.run, m.rank)
+            n = self._seq.get(key, 0)
+            self._seq[key] = n + 1
+            if self.follow and m.t + AFTER_NS > self.clock.mono:
+                self.clock.advance_ns(m.t + AFTER_NS - self.clock.mono)
+            self.monitor.take(dataclasses.replace(m, seq=n), m.t if self.follow else None)
+            self.received += 1
+        self.monitor.tick()
 
     def listen(self, listener: Callable[[Snapshot], None] | None) -> None:
         self._listener = listener
@@ -62,7 +81,9 @@ class MonitorSource:
             self._listener(snap)
 
     def request_stacks(self, rank: int) -> None:
+        # As the live feed does once it has sent the request: the rank is now asked.
         self.requests.append(("stacks", rank))
+        self.monitor.stacks_asked(rank)
 
     def request_fingerprint(self, rank: int = -1) -> None:
         self.requests.append(("fingerprint", rank))

@@ -1,4 +1,4 @@
-"""Synthetic telemetry for detector tests: schema messages for N ranks, built directly.
+"""Synthetic runs: the schema messages N ranks would send, built directly (no torch).
 
 Nothing here imports torch. The centre piece is :func:`lockstep`, a small
 simulation of synchronous DDP: each rank does its own work (data, forward,
@@ -13,6 +13,14 @@ Typical use::
 
     msgs = [*run_infos(2), *lockstep(2, 50, healthy(rng))]
     analysis = feed(Analysis(detectors=[...]), msgs)
+
+:class:`SyntheticRun` is the same run in closed form, one (rank, step) at a
+time: every rank's step lasts the same, and the others wait for a slow rank
+in their first bucket. A publisher pacing a run in real time
+(tests.support.wire) asks it for step N without simulating steps 0..N-1;
+its messages carry fixed sender clocks and sequence numbers, so a run fed
+twice gives the same snapshot. :class:`FrozenClock` is a watcher clock that
+moves only when told.
 """
 
 from __future__ import annotations
@@ -20,13 +28,28 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from ddpscope.schema import Fingerprint, Heartbeat, HParams, Message, RunInfo, Step
+from ddpscope.schema import (
+    BucketLayout,
+    End,
+    Fingerprint,
+    Heartbeat,
+    HParams,
+    Message,
+    RunInfo,
+    Stacks,
+    Step,
+)
 
 RUN = "synth-run"
 MS = 1_000_000
+#: The senders' wall clock when their monotonic clock reads 0 (run_info's
+#: anchors: wall = WALL0_NS + monotonic).
+WALL0_NS = 1_700_000_000 * 1_000_000_000
+#: Where SyntheticRun's sender clocks start (monotonic).
+T0_NS = 5_000 * 1_000_000_000
 
 #: A small model: [name, shape, dtype, requires_grad] per parameter.
 PARAMS: list[list[Any]] = [
@@ -98,9 +121,9 @@ def run_info(
         "ddp": {"broadcast_buffers": True, "bucket_cap_bytes": 25 << 20, **(ddp or {})},
         "params": PARAMS if params is None else params,
         "buffers": BUFFERS if buffers is None else buffers,
-        "wall_ns": 1_700_000_000_000_000_000 + t,
+        "wall_ns": WALL0_NS + t,
         "mono_ns": t,
-        "started_wall_ns": 1_700_000_000_000_000_000,
+        "started_wall_ns": WALL0_NS,
     }
     values.update(fields)
     return RunInfo(**values)
@@ -470,7 +493,7 @@ def record(directory: Any, msgs: Iterable[Message], *, run: str = RUN) -> str:
         if w is None:
             # The same clock anchors as run_info(): wall = 1.7e18 + monotonic.
             header = {"run_id": run, "rank": m.rank, "mono_ns": m.t}
-            header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
+            header["wall_ns"] = WALL0_NS + m.t
             w = writers[m.rank] = RecordWriter(str(directory), run, m.rank, header)
         w.append(encode(m))
     for w in writers.values():
@@ -544,3 +567,177 @@ def with_collectives(
             )
         )
     return out
+
+
+# --- the same run in closed form, for publishing in real time ----------------------
+
+
+@dataclass
+class SyntheticRun:
+    run_id: str = "synthetic-run"
+    world: int = 4
+    buckets: int = 8
+    step_ms: float = 100.0
+    slow_rank: int = -1
+    slow_ms: float = 0.0
+    #: Steps after which the slow rank starts being slow (its onset).
+    slow_from: int = 0
+    ranks_per_host: int = 8
+    steps_per_epoch: int = 50
+    #: Sender-side delay before a message is published (what the watcher sees as lag).
+    send_delay_ms: float = 20.0
+    #: The senders' monotonic clock at step 0, and the wall time it corresponds to.
+    t0_ns: int = T0_NS
+    wall0_ns: int = WALL0_NS
+    _seq: dict[int, int] = field(default_factory=dict)
+
+    def host(self, rank: int) -> str:
+        return f"node{rank // self.ranks_per_host:02d}"
+
+    def _env(self, rank: int, t: int) -> dict[str, Any]:
+        seq = self._seq.get(rank, 0)
+        self._seq[rank] = seq + 1
+        return {"run": self.run_id, "rank": rank, "seq": seq, "t": t}
+
+    def step_start(self, step: int) -> int:
+        slowed = max(0, step - self.slow_from) if self.slow_rank >= 0 else 0
+        return self.t0_ns + int((step * self.step_ms + slowed * self.slow_ms) * MS)
+
+    def run_info(self, rank: int) -> RunInfo:
+        # The sender's wall clock is WALL0 when its monotonic clock reads T0,
+        # minus the send delay, so the watcher measures exactly that delay as lag.
+        sent_wall = self.wall0_ns - int(self.send_delay_ms * MS)
+        env = self._env(rank, self.t0_ns)
+        return run_info(
+            rank,
+            self.world,
+            run=env["run"],
+            t=env["t"],
+            seq=env["seq"],
+            ddp={"bucket_cap_bytes": 1 << 20},
+            params=[[f"layer{i}.weight", [64, 64], "float32", True] for i in range(self.buckets)],
+            buffers=[],
+            local_rank=rank % self.ranks_per_host,
+            local_world_size=min(self.ranks_per_host, self.world),
+            host=self.host(rank),
+            pid=10_000 + rank,
+            versions={"torch": "2.13.0"},
+            wall_ns=sent_wall,
+            mono_ns=self.t0_ns,
+            started_wall_ns=sent_wall,
+        )
+
+    def layout(self, rank: int) -> BucketLayout:
+        return BucketLayout(
+            **self._env(rank, self.t0_ns),
+            generation=1,
+            step=0,
+            index=list(range(self.buckets)),
+            nbytes=[1 << 20] * self.buckets,
+            dtype=["float32"] * self.buckets,
+            params=[[i] for i in range(self.buckets)],
+        )
+
+    def _slow(self, rank: int, step: int) -> float:
+        return self.slow_ms if rank == self.slow_rank and step >= self.slow_from else 0.0
+
+    def step(self, rank: int, step: int) -> Step:
+        extra = self.slow_ms if step >= self.slow_from and self.slow_rank >= 0 else 0.0
+        wait = extra - self._slow(rank, step)  # the others wait for the slow rank
+        base = self.step_ms
+        t_start = self.step_start(step)
+        t_end = t_start + int((base + extra) * MS)
+        transfer = 1.0
+        durs = [transfer + (wait if k == 0 else 0.0) for k in range(self.buckets)]
+        return Step(
+            **self._env(rank, t_end),
+            step=step,
+            t_start=t_start,
+            t_end=t_end,
+            data_ns=int(base * 0.1 * MS),
+            forward_ns=int(base * 0.3 * MS),
+            backward_ns=int(base * 0.45 * MS),
+            optimizer_ns=int(base * 0.1 * MS),
+            other_ns=int((base * 0.05 + self._slow(rank, step)) * MS),
+            comm_wait_ns=int(wait * MS),
+            micro_batches=1,
+            optimizer_steps=1,
+            epoch=step // self.steps_per_epoch,
+            loader_pass=step // self.steps_per_epoch,
+            layout=1,
+            b_index=list(reversed(range(self.buckets))),
+            b_nbytes=[1 << 20] * self.buckets,
+            b_offset_ns=[int(base * 0.5 * MS) + k * MS for k in range(self.buckets)],
+            b_dur_ns=[int(d * MS) for d in durs],
+        )
+
+    def heartbeat(self, rank: int, step: int, phase: str = "backward") -> Heartbeat:
+        env = self._env(rank, self.step_start(step))
+        return heartbeat(
+            rank,
+            step,
+            env["t"],
+            run=env["run"],
+            seq=env["seq"],
+            phase=phase,
+            in_phase_s=0.01,
+            cpu_pct=95.0 + rank % 5,
+            rss_bytes=(900 + rank) * (1 << 20),
+            threads=6,
+        )
+
+    def stacks(self, rank: int, step: int, reason: str = "request") -> Stacks:
+        frames = [
+            ["train.py", 120, "<module>"],
+            ["train.py", 88, "train"],
+            ["torch/nn/parallel/distributed.py", 1600, "forward"],
+        ]
+        return Stacks(
+            **self._env(rank, self.step_start(step)),
+            reason=reason,
+            phase="allreduce",
+            step=step,
+            threads=[{"name": "MainThread", "ident": 1, "main": True, "frames": frames}],
+        )
+
+    def end(self, rank: int, step: int) -> End:
+        return End(**self._env(rank, self.step_start(step)), reason="exit", step=step)
+
+    def opening(self) -> list[Message]:
+        return [m for r in range(self.world) for m in (self.run_info(r), self.layout(r))]
+
+    def steps(self, first: int, last: int, heartbeat_every: int = 10) -> list[Message]:
+        """Messages of steps ``first..last-1`` for every rank, with periodic heartbeats."""
+        out: list[Message] = []
+        for s in range(first, last):
+            out.extend(self.step(r, s) for r in range(self.world))
+            if (s + 1) % heartbeat_every == 0:
+                out.extend(self.heartbeat(r, s + 1) for r in range(self.world))
+        return out
+
+
+@dataclass
+class FrozenClock:
+    """A watcher clock that moves only when told: snapshots become repeatable."""
+
+    mono: int = T0_NS + 3_600 * 1_000_000_000
+    wall: int = WALL0_NS + 3_600 * 1_000_000_000
+
+    def mono_ns(self) -> int:
+        return self.mono
+
+    def wall_ns(self) -> int:
+        return self.wall
+
+    def advance(self, seconds: float) -> None:
+        self.advance_ns(int(seconds * 1e9))
+
+    def advance_ns(self, ns: int) -> None:
+        self.mono += ns
+        self.wall += ns
+
+
+def clock_at(run: SyntheticRun, step: int) -> FrozenClock:
+    """A frozen watcher clock reading the moment ``step`` starts on the senders' clocks."""
+    mono = run.step_start(step)
+    return FrozenClock(mono=mono, wall=run.wall0_ns + (mono - run.t0_ns))

@@ -29,7 +29,7 @@ from ddpscope.record.format import (
 )
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import Message, encode
-from tests.support.synthetic import SyntheticRun
+from tests.support.synth import SyntheticRun
 
 HEADER = {"run_id": "fuzz", "rank": 1, "world_size": 2, "host": "h", "pid": 7, "wall_ns": 5}
 

@@ -26,7 +26,8 @@ from ddpscope.ui.logview import LogView
 from ddpscope.ui.ranks import RanksTable
 from ddpscope.ui.rows import RowsView
 from ddpscope.ui.steptimes import StepTimes
-from tests.support.synthetic import SyntheticRun, Wire, wait_received
+from tests.support.synth import SyntheticRun
+from tests.support.wire import Wire, wait_received
 
 SLOW = 4
 

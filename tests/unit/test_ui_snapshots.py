@@ -18,7 +18,8 @@ from textual.pilot import Pilot
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.detail import RankDetailScreen
-from tests.support.synthetic import SyntheticRun, Wire, clock_at, wait_received
+from tests.support.synth import SyntheticRun, clock_at
+from tests.support.wire import Wire, wait_received
 
 pytest.importorskip("pytest_textual_snapshot")
 
