@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import pytest
 from textual.pilot import Pilot
@@ -14,16 +12,10 @@ from textual.pilot import Pilot
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.detail import RankDetailScreen
+from tests.support.pilot import until
 from tests.support.torchrun import DEMO, ROOT, job_env
 
 pytestmark = pytest.mark.torchrun
-
-
-async def _until(pilot: Pilot[None], condition: Callable[[], bool], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await pilot.pause(0.1)
 
 
 def test_a_straggling_rank_in_a_real_job_is_named_and_answers_for_its_stacks(
@@ -50,9 +42,9 @@ def test_a_straggling_rank_in_a_real_job_is_named_and_answers_for_its_stacks(
         return list(found[0].ranks) if found else []
 
     async def scenario(pilot: Pilot[None]) -> None:
-        await _until(pilot, lambda: straggler() != [], timeout=120)
+        await until(pilot, lambda: straggler() != [], timeout=120)
         assert straggler() == [1]
-        await _until(pilot, lambda: app.ranks.rows[0].rank == 1, timeout=5)
+        await until(pilot, lambda: app.ranks.rows[0].rank == 1, timeout=5)
         assert app.ranks.rows[0].status == "straggler"
         await pilot.press("4")
         assert "warning straggler rank 1" in app.findings.text
@@ -60,13 +52,13 @@ def test_a_straggling_rank_in_a_real_job_is_named_and_answers_for_its_stacks(
         await pilot.press("1", "home", "enter", "s")
         screen = app.screen
         assert isinstance(screen, RankDetailScreen) and screen.rank == 1
-        await _until(pilot, lambda: "train.py" in screen.stacks_plain, timeout=30)
+        await until(pilot, lambda: "train.py" in screen.stacks_plain, timeout=30)
         assert screen.detail is not None and screen.detail.stacks is not None
         assert screen.detail.stacks.reason == "request"
         await pilot.press("escape")
         # When the job ends the view stays, on every rank's final state.
-        await _until(pilot, lambda: app.job_status is not None, timeout=120)
-        await _until(pilot, lambda: all(r.phase == "exited" for r in app.ranks.rows), 10)
+        await until(pilot, lambda: app.job_status is not None, timeout=120)
+        await until(pilot, lambda: all(r.phase == "exited" for r in app.ranks.rows), 10)
         assert app.job_status == 0 and app.is_running
         # The straggler keeps its badge on the finished run; the other rank just exited.
         assert [(r.rank, r.status) for r in app.ranks.rows] == [(1, "straggler"), (0, "exited")]

@@ -1,20 +1,19 @@
-"""The watch app driven by Pilot, fed by real ZeroMQ messages from a synthetic run."""
+"""The watch app driven by Pilot, fed a synthetic run through the snapshot-source seam.
+
+The source is a real Monitor on the app's own thread with a frozen clock that
+follows the messages (tests.support.snapsource), so a test hands it messages
+and the next pull shows them. Over real ZeroMQ: tests/e2e/test_ui_sockets.py.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
-import sys
-import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
 
-from ddpscope.analysis.live import LiveFeed
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.schema import Message
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.buckets import BucketView
@@ -24,10 +23,10 @@ from ddpscope.ui.header import HeaderPanel
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.logview import LogView
 from ddpscope.ui.ranks import RanksTable
-from ddpscope.ui.rows import RowsView
 from ddpscope.ui.steptimes import StepTimes
-from tests.support.synth import SyntheticRun
-from tests.support.wire import Wire, wait_received
+from tests.support.pilot import Scenario, drive, lines, until
+from tests.support.snapsource import MonitorSource
+from tests.support.synth import SyntheticRun, clock_at
 
 SLOW = 4
 
@@ -35,65 +34,25 @@ SLOW = 4
 @dataclass
 class Rig:
     run: SyntheticRun
-    wire: Wire
-    feed: LiveFeed
+    source: MonitorSource
 
     def send(self, messages: list[Message]) -> None:
-        before = self.feed.received
-        self.wire.send(messages)
-        wait_received(self.feed, before + len(messages))
+        self.source.send(messages)
 
 
-def _detectors() -> list:
-    straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
-    return [straggler.StragglerDetector()]
-
-
-@contextmanager
-def _rig(endpoint: str, run: SyntheticRun) -> Iterator[Rig]:
-    feed = LiveFeed(endpoint, detectors=_detectors())
-    wire = Wire(endpoint)
-    feed.start()
-    try:
-        wire.wait_subscribed()
-        yield Rig(run, wire, feed)
-    finally:
-        feed.stop()
-        wire.close()
+def _rig(run: SyntheticRun) -> Rig:
+    # The clock starts at the run's step 0 on its anchors and follows what is sent.
+    source = MonitorSource.of([], [StragglerDetector()], clock=clock_at(run, 0), follow=True)
+    return Rig(run, source)
 
 
 @pytest.fixture
-def rig(endpoint: str) -> Iterator[Rig]:
-    with _rig(endpoint, SyntheticRun(world=6, buckets=8, slow_rank=SLOW, slow_ms=60)) as r:
-        yield r
-
-
-Scenario = Callable[[Pilot[None]], Awaitable[None]]
-
-
-def drive(app: WatchApp, scenario: Scenario, size: tuple[int, int] = (120, 40)) -> None:
-    async def main() -> None:
-        async with app.run_test(size=size) as pilot:
-            await scenario(pilot)
-
-    asyncio.run(main())
-
-
-async def until(pilot: Pilot[None], condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await pilot.pause(0.02)
-
-
-def lines(view: RowsView) -> list[str]:
-    """What the view shows, line by line, as plain text."""
-    return [view.render_line(y).text for y in range(view.scrollable_content_region.height)]
+def rig() -> Rig:
+    return _rig(SyntheticRun(world=6, buckets=8, slow_rank=SLOW, slow_ms=60))
 
 
 def app_for(rig: Rig, **kwargs: object) -> WatchApp:
-    return build_app(rig.feed, pull_s=0.05, **kwargs)  # type: ignore[arg-type]
+    return build_app(rig.source, pull_s=0.05, **kwargs)  # type: ignore[arg-type]
 
 
 def _has_finding(app: WatchApp) -> bool:
@@ -184,7 +143,7 @@ def test_header_shows_the_run_its_pace_and_the_monitors_health(rig: Rig) -> None
     async def scenario(pilot: Pilot[None]) -> None:
         header = app.query_one(HeaderPanel)
         await until(pilot, lambda: "WAITING" in header.plain)
-        assert "listening on ipc://" in header.plain
+        assert f"listening on {rig.source.endpoint}" in header.plain
         rig.send(rig.run.opening() + rig.run.steps(0, 20))
         await until(pilot, lambda: "step 20" in header.plain)
         first, second, health = header.plain.splitlines()
@@ -308,18 +267,13 @@ def test_s_asks_the_rank_for_fresh_stacks_and_the_detail_shows_them(rig: Rig) ->
         await until(
             pilot, lambda: screen.detail is not None and screen.detail.stacks_pending_s >= 0
         )
-        # The rank's publisher answers the request it received over the control socket.
-        await until(pilot, lambda: rig.wire.answer_stacks(rig.run, 10) > 0)
-        # (once, or again if the answer was slow: the feed re-asks after a second)
-        assert {(r.what, r.target, r.run) for r in rig.wire.requests} == {
-            ("stacks", screen.rank, rig.run.run_id)
-        }
+        assert rig.source.requests == [("stacks", screen.rank)]
+        rig.send([rig.run.stacks(screen.rank, 10)])  # the rank's answer
         await until(pilot, lambda: screen.detail is not None and screen.detail.stacks is not None)
         assert "train.py:88 in train" in screen.stacks_plain
         assert screen.detail.stacks_pending_s == -1
         await pilot.press("f")  # and a weight fingerprint, from every rank
-        await until(pilot, lambda: bool(rig.wire.poll_requests()))
-        assert rig.wire.requests[-1].what == "fingerprint" and rig.wire.requests[-1].target == -1
+        assert rig.source.requests[-1] == ("fingerprint", -1)
 
     drive(app, scenario)
 
@@ -398,11 +352,10 @@ def test_a_large_terminal_shows_every_panel_at_once(rig: Rig) -> None:
 # --- 256 ranks ---------------------------------------------------------------------------------
 
 
-def test_256_ranks_scroll_with_the_problem_rank_first(endpoint: str) -> None:
-    big = SyntheticRun(world=256, buckets=32, slow_rank=200, slow_ms=60)
-    with _rig(endpoint, big) as rig:
-        app = app_for(rig)
-        drive(app, _scroll_256(app, rig), size=(80, 24))
+def test_256_ranks_scroll_with_the_problem_rank_first() -> None:
+    rig = _rig(SyntheticRun(world=256, buckets=32, slow_rank=200, slow_ms=60))
+    app = app_for(rig)
+    drive(app, _scroll_256(app, rig), size=(80, 24))
 
 
 def _scroll_256(app: WatchApp, rig: Rig) -> Scenario:
@@ -440,24 +393,6 @@ def test_a_new_run_is_announced_and_followed(rig: Rig) -> None:
 
     drive(app, scenario)
     assert any("new run second-run" in n for n in notes)
-
-
-def test_after_the_job_ends_the_view_keeps_its_final_state(rig: Rig) -> None:
-    job = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
-    job.wait()
-    app = app_for(rig, job=job)
-
-    async def scenario(pilot: Pilot[None]) -> None:
-        header = app.query_one(HeaderPanel)
-        table = app.query_one(RanksTable)
-        rig.send(rig.run.opening() + rig.run.steps(0, 8) + [rig.run.end(r, 8) for r in range(6)])
-        await until(pilot, lambda: "job exited 3" in header.plain)
-        await until(pilot, lambda: bool(table.rows) and table.rows[0].status == "exited")
-        await pilot.pause(0.3)
-        assert app.is_running and "step 8" in header.plain
-        assert all(r.status == "exited" for r in table.rows)
-
-    drive(app, scenario)
 
 
 def test_the_job_log_view_tails_the_log_file(rig: Rig, tmp_path: Path) -> None:

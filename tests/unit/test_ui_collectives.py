@@ -1,7 +1,7 @@
 """The watch app on runs with collective waits, through the snapshot-source seam.
 
-The app is driven with its Pilot as in test_ui.py, but fed by
-:class:`snapsource.MonitorSource` (a Monitor over synthetic messages, no
+The app is driven with its Pilot as in test_ui.py, fed by
+:class:`tests.support.snapsource.MonitorSource` (a Monitor over synthetic messages, no
 socket), so each test reads exact screens within a second. The run: three
 ranks with BatchNorm (DDP broadcasts buffers at each forward) and a loss
 all-reduce each step; rank 1 loads data 20 ms longer from step 5, so ranks 0
@@ -27,7 +27,7 @@ from ddpscope.ui.detail import RankDetailScreen, collectives_table, phase_table
 from ddpscope.ui.findings import FindingsPanel, card
 from ddpscope.ui.phases import SEGMENTS, PhaseBars
 from ddpscope.ui.ranks import RanksTable
-from ddpscope.ui.rows import RowsView
+from tests.support.pilot import lines
 from tests.support.snapsource import MonitorSource
 from tests.support.synth import (
     MS,
@@ -69,10 +69,6 @@ def drive(
             await scenario(pilot)
 
     asyncio.run(main())
-
-
-def lines(view: RowsView) -> list[str]:
-    return [view.render_line(y).text for y in range(view.scrollable_content_region.height)]
 
 
 def text_of(widget: Widget) -> str:

@@ -1,8 +1,10 @@
 """Snapshot tests of the watch app: exact screens at 80x24 and at a large size.
 
-The feed's clock is frozen and the synthetic run's messages carry fixed sender
-clocks, so every figure on screen (elapsed time, ages, rates, lag) is the same
-on every run. The SVGs live in tests/__snapshots__/; after a deliberate change
+The app is fed through the snapshot-source seam (tests.support.snapsource, no
+socket): its clock is frozen and the synthetic run's messages carry fixed
+sender clocks, so every figure on screen (elapsed time, ages, rates, lag) is
+the same on every run. The SVGs live in tests/unit/__snapshots__/ (syrupy
+keys them by this module's folder and name); after a deliberate change
 to the UI, review and accept new ones with ``pytest --snapshot-update``.
 Textual is pinned in the dev extras: its rendering changes between versions.
 """
@@ -10,18 +12,17 @@ Textual is pinned in the dev extras: its rendering changes between versions.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from textual.pilot import Pilot
 
-from ddpscope.analysis.live import LiveFeed
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.detail import RankDetailScreen
+from tests.support.snapsource import MonitorSource
 from tests.support.synth import SyntheticRun, clock_at
-from tests.support.wire import Wire, wait_received
-
-pytest.importorskip("pytest_textual_snapshot")
+from tests.unit.test_ui_collectives import batchnorm_run
 
 # Rank 5 turns slow at step 20: the step-time view shows the onset.
 RUN = dict(run_id="snapshot-run", world=8, buckets=12, slow_rank=5, slow_ms=60, slow_from=20)
@@ -31,21 +32,13 @@ SnapCompare = Callable[..., bool]
 
 
 @pytest.fixture
-def app(endpoint: str) -> Iterator[WatchApp]:
-    straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
+def app() -> WatchApp:
     run = SyntheticRun(**RUN)  # type: ignore[arg-type]
-    feed = LiveFeed(endpoint, detectors=[straggler.StragglerDetector()], clock=clock_at(run, STEPS))
-    wire = Wire(endpoint)
-    feed.start()
-    try:
-        wire.wait_subscribed()
-        messages = run.opening() + run.steps(0, STEPS)
-        wire.send(messages)
-        wait_received(feed, len(messages))
-        yield build_app(feed, pull_s=0.05)
-    finally:
-        feed.stop()
-        wire.close()
+    # Received in one burst with the clock at the last step, as a live feed would take it.
+    source = MonitorSource.of(
+        run.opening() + run.steps(0, STEPS), [StragglerDetector()], clock=clock_at(run, STEPS)
+    )
+    return build_app(source, pull_s=0.05)
 
 
 def settled(app: WatchApp) -> bool:
@@ -116,18 +109,14 @@ def test_dashboard_at_200x50(app: WatchApp, snap_compare: SnapCompare) -> None:
     assert snap_compare(app, terminal_size=(200, 50), run_before=run_before)
 
 
-# --- a run with collective waits, through the snapshot-source seam (no socket) ----------------
+# --- a run with collective waits -----------------------------------------------------------
 
 
 @pytest.fixture
 def bn_app() -> WatchApp:
     """Three ranks with BatchNorm and a loss all-reduce; rank 1 loads data 20 ms longer,
     so the others wait in DDP's buffer broadcast (see test_ui_collectives.py)."""
-    from tests.support.snapsource import MonitorSource
-    from tests.unit.test_ui_collectives import batchnorm_run
-
-    straggler = pytest.importorskip("ddpscope.analysis.detectors.straggler")
-    source = MonitorSource.of(batchnorm_run(), [straggler.StragglerDetector()])
+    source = MonitorSource.of(batchnorm_run(), [StragglerDetector()])
     return build_app(source, pull_s=0.05)
 
 
