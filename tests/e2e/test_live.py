@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope.analysis import monitor, views
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.analysis.snapshot import ERROR, SnapshotRequest
 from ddpscope.config import load
@@ -22,8 +23,7 @@ from tests.support.wire import Wire, wait_received
 
 
 def _straggler_detectors() -> list:
-    mod = pytest.importorskip("ddpscope.analysis.detectors.straggler")
-    return [mod.StragglerDetector()]
+    return [StragglerDetector()]
 
 
 def _feed(endpoint: str, clock: FrozenClock | None = None, detectors=None) -> LiveFeed:

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.state import MAX_WORLD, RunState
 from ddpscope.schema import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -403,7 +404,25 @@ def test_decoded_hostile_values_never_break_the_default_detectors(data: st.DataO
         _feed(analysis, raw, clock)
         assert analysis.detector_errors == {}
         for run in analysis.runs.values():
-            assert run.complete_steps() is not None and run.step_span is not None
+            _assert_consistent(run, history)
+
+
+def _assert_consistent(run: RunState, history: int | None) -> None:
+    """What the views rely on: every step kept is filed under its own step and
+    rank, the span and the complete steps agree with it, and live bookkeeping
+    stays within its bounds however hostile the values were."""
+    for step, row in run.by_step.items():
+        assert all(m.step == step and m.rank == rank for rank, m in row.items())
+        assert set(row) <= set(run.ranks)
+    lo, hi = run.step_span
+    assert (lo, hi) == ((min(run.by_step), max(run.by_step)) if run.by_step else (-1, -1))
+    done = run.complete_steps()
+    assert done == sorted(done) and all(lo <= s <= hi for s in done)
+    assert all(len(run.by_step[s]) >= len(run.ranks) for s in done)
+    assert all(rank < MAX_WORLD for rank in run.ranks)
+    if history is not None:
+        assert len(run.by_step) <= history + max(8, history // 4) + 1
+        assert all(len(view.steps) <= history for view in run.ranks.values())
 
 
 def test_an_unmutated_stream_feeds_every_kind_without_rejects() -> None:
