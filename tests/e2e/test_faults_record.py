@@ -1,6 +1,7 @@
 """Recording under faults: a disk that fills up mid-run, a record directory
-that cannot be written at start. Training goes on, live telemetry too; a file
-that stopped stays readable up to its last whole record.
+that cannot be written at start, a writer killed mid-stream. Training goes
+on, live telemetry too; a file that stopped stays readable up to its last
+whole record.
 
 The full disk is real: a tmpfs of a few pages, mounted for the test (needs
 root, as CI runs; skipped with the reason otherwise).
@@ -12,6 +13,7 @@ import errno
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.record import open_run
 from ddpscope.record.reader import RankFile
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import Step
@@ -166,3 +169,24 @@ def test_run_into_a_read_only_record_dir_is_an_error_before_the_job_starts(
     assert proc.returncode == 2
     assert f"cannot record into {read_only_fs}: Read-only file system" in proc.stderr
     assert not (tmp_path / "launched").exists()
+
+
+def test_file_of_a_sigkilled_writer_reads_back(tmp_path: Path) -> None:
+    """A process killed mid-stream leaves every whole record readable."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from ddpscope.record.writer import RecordWriter
+        from ddpscope.schema import Heartbeat, encode
+        w = RecordWriter({str(tmp_path)!r}, "killed", 0, {{"run_id": "killed", "rank": 0}})
+        for i in range(200):
+            w.append(encode(Heartbeat(run="killed", rank=0, seq=i, phase="forward", step=i,
+                                      bucket=-1, in_phase_s=0.0, cpu_pct=0.0, rss_bytes=0,
+                                      threads=1)))
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT)
+    assert proc.returncode == -9
+    rec = open_run(str(tmp_path))
+    assert [m.seq for m in rec.messages[0]] == list(range(200))

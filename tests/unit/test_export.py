@@ -1,5 +1,5 @@
-"""``ddpscope export``: Chrome trace and CSV from recordings written with RecordWriter,
-and from a real 2-rank torchrun job.
+"""``ddpscope export``: Chrome trace and CSV from recordings written with RecordWriter
+(as a process of its own and on a real 2-rank job: tests/e2e/test_export.py).
 
 The trace is checked as a trace viewer reads it (valid JSON, required fields,
 proper nesting per thread) and against the recording it came from (one event
@@ -15,8 +15,6 @@ import io
 import itertools
 import json
 import re
-import subprocess
-import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from ddpscope.export.chrome import PHASES, phase_layout
 from ddpscope.export.table import COLUMNS
 from ddpscope.record.reader import open_run
 from ddpscope.record.writer import RecordWriter
-from ddpscope.schema import End, Heartbeat, Message, RunInfo, Step, encode
+from ddpscope.schema import End, Message, RunInfo, Step, encode
 from tests.support.synth import (
     MS,
     Phases,
@@ -40,7 +38,7 @@ from tests.support.synth import (
     straggler,
     with_collectives,
 )
-from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
+from tests.support.torchrun import ROOT
 
 S = 1_000_000_000
 WALL0 = 1_700_000_000 * S
@@ -526,77 +524,3 @@ def test_several_runs_export_the_newest_unless_run_names_one(
     assert code == 0 and len(list(csv.DictReader(io.StringIO(out)))) == 4 and err == ""
     code, _, err = export(capsys, str(tmp_path), "--format", "csv", "--run", "run-z")
     assert code == 3 and "no run 'run-z'" in err
-
-
-def test_export_never_imports_torch_or_textual(tmp_path: Path) -> None:
-    run = write_run(tmp_path, healthy(steps=3))
-    code = (
-        "import sys\nfrom ddpscope.cli.main import main\n"
-        f"assert main(['export', {str(run)!r}, '--format', 'chrome-trace', '-o', "
-        f"{str(tmp_path / 't.json')!r}]) == 0\n"
-        "bad = [m for m in ('torch', 'textual') if m in sys.modules]\n"
-        "assert not bad, bad\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], env=job_env(), capture_output=True, text=True, cwd=ROOT
-    )
-    assert proc.returncode == 0, proc.stderr
-
-
-# --- a real job ------------------------------------------------------------------------------
-
-
-@pytest.mark.torchrun
-def test_export_of_a_real_two_rank_job_matches_its_recording(tmp_path: Path) -> None:
-    rec = tmp_path / "rec"
-    torchrun(
-        [str(DEMO), "--samples", "256", "--epochs", "2"],
-        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=f"ipc://{tmp_path}/s.sock"),
-    )
-    trace, table = tmp_path / "run.json", tmp_path / "steps.csv"
-    for fmt, out in (("chrome-trace", trace), ("csv", table)):
-        proc = subprocess.run(
-            [sys.executable, "-m", "ddpscope", "export", str(rec), "--format", fmt, "-o", str(out)],
-            env=job_env(), capture_output=True, text=True, timeout=120, cwd=ROOT,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr
-    recording = open_run(str(rec))
-    steps = [m for ms in recording.messages.values() for m in ms if isinstance(m, Step)]
-    assert sorted(Counter(s.rank for s in steps).values()) == [8, 8]
-    doc = json.loads(trace.read_text())
-    assert_nested(doc)
-    assert len(events(doc, "X", "step")) == len(steps)
-    assert len(events(doc, "X", "allreduce")) == sum(len(s.b_index) for s in steps) > 0
-    beats = [m for ms in recording.messages.values() for m in ms if isinstance(m, Heartbeat)]
-    assert 0 < len(events(doc, "C")) <= 2 * len(beats)
-    # Steps sit where each rank's run_info anchor puts them.
-    base = doc["otherData"]["base_wall_ns"]
-    offset = {
-        r: next(m.wall_ns - m.mono_ns for m in ms if isinstance(m, RunInfo))
-        for r, ms in recording.messages.items()
-    }
-    names = thread_names(doc)
-    trace_steps = {
-        (int(names[e["pid"], e["tid"]].split()[1]), e["args"]["step"]): e
-        for e in events(doc, "X", "step")
-    }
-    for s in steps:
-        e = trace_steps[s.rank, s.step]
-        assert e["ts"] == pytest.approx(us(s.t_start + offset[s.rank] - base), abs=1e-3)
-    # Aligned clocks agree with physics: an all-reduce of a bucket completes on
-    # every rank only after the last rank launched it.
-    spans: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
-    for e in events(doc, "X", "allreduce"):
-        if e["args"].get("completed", True):
-            spans[e["args"]["step"], e["args"]["bucket"]].append((e["ts"], e["ts"] + e["dur"]))
-    pairs = [v for v in spans.values() if len(v) == 2]
-    assert pairs
-    for v in pairs:
-        assert min(end for _, end in v) >= max(begin for begin, _ in v) - 1000  # 1 ms slack
-    rows = list(csv.DictReader(table.open(newline="")))
-    assert len(rows) == len(steps)
-    by_key = {(s.rank, s.step): s for s in steps}
-    for row in rows:
-        s = by_key[int(row["rank"]), int(row["step"])]
-        assert float(row["step_ms"]) == pytest.approx((s.t_end - s.t_start) / MS)
-        assert int(row["buckets"]) == len(s.b_index)
