@@ -1,1 +1,1 @@
-"""Benchmarks: run each from the repository root as ``python -m benchmarks.NAME``."""
+"""Benchmarks: run each from the repository root as ``python -m benchmarks.<name>``."""

@@ -6,7 +6,7 @@ in the record headers (ddpscope/record/clocks.py). To measure what is left,
 this runs a real 2-node torchrun job on this machine, each node launched by
 its own ``ddpscope run`` (so through two relays), the second node in its own
 time and UTS namespaces: its monotonic clock a day ahead and another host
-name (tests/multinode.py). The last gradient bucket's all-reduce ends at one
+name (tests/support/multinode.py). The last gradient bucket's all-reduce ends at one
 instant on both ranks, so after alignment the two ends should coincide; the
 per-step distance between them is the alignment error plus the collective's
 own skew. The same job with both nodes in one namespace (no skew to remove)

@@ -2,7 +2,7 @@
 
 A synthetic stream shaped like a big job: 1,024 ranks, 32 gradient buckets,
 10 steps/s (~100 ms steps), one heartbeat per rank per second, built with the
-lockstep simulation of synchronous DDP in tests/synth.py (no torch, no
+lockstep simulation of synchronous DDP in tests/support/synth.py (no torch, no
 sockets). It measures:
 
 - ingest: messages/s that ``Analysis`` (RunState plus the default detectors,

@@ -1,7 +1,7 @@
 """Replay at scale: open a 64-rank x 10,000-step recording, show the first screen, seek.
 
 Writes (once; kept with --dir) a synthetic recording shaped like a real one:
-64 ranks in lockstep DDP (tests/synth.py's simulation), 8 gradient buckets,
+64 ranks in lockstep DDP (tests/support/synth.py's simulation), 8 gradient buckets,
 a heartbeat every 10 steps, a straggler from step 6,000 on, an end message
 per rank; written with the real RecordWriter, one file per rank. Then, in
 this process:
