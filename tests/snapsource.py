@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from synth import sequenced
 
-from ddpscope.analysis.engine import Detector
 from ddpscope.analysis.monitor import FeedStats, Monitor
+from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 from ddpscope.schema import Message
 
