@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import Protocol
 
 from ddpscope.analysis.causes import link_causes
 from ddpscope.analysis.findings import FindingBook
+from ddpscope.analysis.protocol import LIVE, Detector, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import Message
 
@@ -22,25 +22,11 @@ from ddpscope.schema import Message
 MAX_RUNS = 16
 
 
-class Detector(Protocol):
-    """One concern. Raises findings into the run's book; never raises itself."""
-
-    #: Finding kinds this detector can raise.
-    kinds: tuple[str, ...]
-
-    def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
-        """Called after ``run`` took ``msg``."""
-
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Called periodically; ``run.now_ns`` is the current analysis time."""
-
-    # Optional, looked up with getattr: ``forget(run_id)`` drops what the
-    # detector keeps for a run the Analysis dropped (see _forget below).
-
-
 class Analysis:
     def __init__(self, detectors: Iterable[Detector] | None = None, history: int | None = 2048):
         self.history = history
+        #: Where the messages come from (analysis/build.py sets it).
+        self.mode: Mode = LIVE
         self.runs: dict[str, RunState] = {}
         self.books: dict[str, FindingBook] = {}
         self._order: list[str] = []

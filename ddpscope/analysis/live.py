@@ -25,9 +25,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.handoff import SnapshotHandoff
 from ddpscope.analysis.monitor import Clock, FeedStats, Monitor
+from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.transport.subscriber import Subscriber
 

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.build import build_analysis
 from ddpscope.analysis.findings import FindingBook
+from ddpscope.analysis.protocol import LIVE, Detector
 from ddpscope.analysis.snapshot import FindingView, Health, Snapshot, SnapshotRequest
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.views import (
@@ -65,9 +66,9 @@ class SystemClock:
 def load_detectors() -> tuple[list[Detector], str]:
     """The default detectors, or none and the reason, so a watcher still starts."""
     try:
-        from ddpscope.analysis.detectors import default_detectors
+        from ddpscope.analysis.build import default_detectors
 
-        return default_detectors(), ""
+        return default_detectors(LIVE), ""
     except ImportError as exc:
         log.warning("ddpscope: running without detectors: %s", exc)
         return [], f"no detectors ({exc})"
@@ -124,7 +125,7 @@ class Monitor:
         if detectors is None:
             found, note = load_detectors()
             detectors = found
-        self.analysis = Analysis(list(detectors), history=MAX_HISTORY)
+        self.analysis = build_analysis(LIVE, detectors, history=MAX_HISTORY)
         self.detector_note = note
         self.clock: Clock = clock or SystemClock()
         self.measure_lag = measure_lag

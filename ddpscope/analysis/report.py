@@ -18,30 +18,23 @@ No torch, no textual: a report runs on a laptop.
 from __future__ import annotations
 
 import datetime
-import os
 import re
-import socket
 import statistics
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ddpscope.analysis.detectors.liveness import (
-    HangDetector,
-    RankExitDetector,
-    error_line,
-    ranks_text,
-)
+from ddpscope.analysis.build import build_analysis, end_of_stream
+from ddpscope.analysis.detectors.liveness import error_line, ranks_text
 from ddpscope.analysis.detectors.recipe import prime_from_runs, training_setup
 from ddpscope.analysis.detectors.straggler import bucket_waits
-from ddpscope.analysis.detectors.telemetry import TelemetryDetector
-from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.evidence import EvidenceTable, layout, table_text
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
+from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.sources import replay_recording
 from ddpscope.analysis.state import RankView, RunState
-from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
+from ddpscope.record.reader import Recording, RunDir, find_runs, open_run, writers_alive
 from ddpscope.schema import End, Heartbeat, RunInfo, Step
 
 FORMAT = "ddpscope.report"
@@ -62,22 +55,9 @@ SPLIT = {
 }
 #: Bucket timings examined for the all-reduce wait: a sample keeps big runs fast.
 WAIT_BUDGET = 2_000_000
-#: A file from another host unchanged this long belongs to a writer that is gone.
-STALE_S = 15.0
 
 
 # --- reading -----------------------------------------------------------------
-
-
-def configure(detectors: Iterable[Detector], hang_after_s: float | None = None) -> list[Detector]:
-    """Set the detectors up for a recording: no live-only accounting, the user's hang limit."""
-    out = list(detectors)
-    for det in out:
-        if isinstance(det, TelemetryDetector):
-            det.live = False  # sequence gaps in files are unrecorded re-sends, not losses
-        if isinstance(det, HangDetector) and hang_after_s is not None:
-            det.hang_after_s = hang_after_s
-    return out
 
 
 def analyze(
@@ -92,66 +72,23 @@ def analyze(
     """
     runs = find_runs(directory)
     recording = open_run(directory, run_id)
-    if detectors is None:
-        from ddpscope.analysis.detectors import default_detectors
-
-        detectors = default_detectors()
-    analysis = Analysis(configure(detectors, hang_after_s), history=None)
+    mode = recorded(not still_writing(recording), hang_after_s)
+    analysis = build_analysis(mode, detectors)
     # The previous run of the same script, for the global_batch comparison.
     script = next(
         (m.script for ms in recording.messages.values() for m in ms if isinstance(m, RunInfo)), ""
     )
     prime_from_runs(analysis.detectors, runs, recording.run, script)
     replay_recording(recording, analysis)
-    if not still_writing(recording):
-        finish(analysis)
+    if mode.source == "finished":
+        end_of_stream(analysis)
     return analysis, recording, runs
 
 
-def finish(analysis: Analysis) -> None:
-    """Tell the detectors no more messages will come, and let them look once more."""
-    for det in analysis.detectors:
-        if isinstance(det, RankExitDetector):
-            det.stream_over = True
-    for run in analysis.runs.values():
-        analysis.tick(run.now_ns)
-
-
 def still_writing(recording: Recording, now: float | None = None) -> bool:
-    """Whether a rank process may still append to the recording (a live or hung job).
-
-    A file whose rank sent its end message is closed. Otherwise the writer is
-    alive if its pid exists on this host; for files written on another host,
-    if the file changed within the last STALE_S seconds (live ranks write a
-    heartbeat every second).
-    """
-    here = socket.gethostname()
-    now = time.time() if now is None else now
+    """Whether a rank process may still append to the recording (a live or hung job)."""
     ended = {r for r, msgs in recording.messages.items() if msgs and isinstance(msgs[-1], End)}
-    for f in recording.run.files:
-        if f.rank in ended:
-            continue
-        pid = f.header.get("pid")
-        if f.header.get("host") == here and isinstance(pid, int) and pid > 0:
-            if _pid_alive(pid):
-                return True
-            continue
-        try:
-            if now - os.stat(f.path).st_mtime < STALE_S:
-                return True
-        except OSError:
-            continue
-    return False
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # exists, owned by someone else (or unknowable: assume alive)
-    return True
+    return writers_alive(recording.run, ended, now)
 
 
 # --- the JSON object -----------------------------------------------------------

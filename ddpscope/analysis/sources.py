@@ -10,7 +10,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.build import build_analysis, end_of_stream
+from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.record import Recording, open_run
 from ddpscope.record.clocks import HostClocks
 from ddpscope.schema import Message
@@ -83,8 +85,10 @@ def analyze_recording(
     run_id: str | None = None,
     detectors: Iterable[Detector] | None = None,
 ) -> tuple[Analysis, Recording]:
-    """Read a run (newest unless ``run_id``) and run every detector over it."""
+    """Read a run (newest unless ``run_id``) and run every detector over it, as
+    ``ddpscope report`` does (the run taken as finished)."""
     recording = open_run(directory, run_id)
-    analysis = Analysis(detectors, history=None)
+    analysis = build_analysis(recorded(finished=True), detectors)
     replay_recording(recording, analysis)
+    end_of_stream(analysis)
     return analysis, recording

@@ -9,7 +9,9 @@ when opened, naming the file and what is wrong.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import socket
+import time
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -273,3 +275,43 @@ def _check_header(path: str, header: dict[str, Any]) -> None:
 
 def _int(value: Any, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
+#: A file from another host unchanged this long belongs to a writer that is gone.
+STALE_S = 15.0
+
+
+def writers_alive(run: RunDir, ended: Collection[int], now: float | None = None) -> bool:
+    """Whether a rank process may still append to ``run`` (a live or hung job).
+
+    A file whose rank sent its end message (``ended``) is closed. Otherwise the
+    writer is alive if its pid exists on this host; for files written on another
+    host, if the file changed within the last STALE_S seconds (live ranks write
+    a heartbeat every second).
+    """
+    here = socket.gethostname()
+    now = time.time() if now is None else now
+    for f in run.files:
+        if f.rank in ended:
+            continue
+        pid = f.header.get("pid")
+        if f.header.get("host") == here and isinstance(pid, int) and pid > 0:
+            if _pid_alive(pid):
+                return True
+            continue
+        try:
+            if now - os.stat(f.path).st_mtime < STALE_S:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists, owned by someone else (or unknowable: assume alive)
+    return True

@@ -28,14 +28,15 @@ from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.build import build_analysis, end_of_stream
 from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET, finding_views
+from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.analysis.sources import TICK_NS
 from ddpscope.analysis.views import busy_ms
 from ddpscope.record.clocks import HostClocks
 from ddpscope.record.format import SUFFIX, RecordError
-from ddpscope.record.reader import RankFile, RunDir
+from ddpscope.record.reader import RankFile, RunDir, writers_alive
 from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, Step, decode
 
 #: A code per message kind, stored per record (one byte instead of a string).
@@ -145,7 +146,8 @@ class RecordingIndex:
         self.streams: list[Stream] = [
             Stream(rf, self.clocks.shift(rf.header)) for rf in sorted(run.files, key=_file_order)
         ]
-        self.analysis = Analysis(detectors, history=MAX_HISTORY)
+        # Growing until the pass ends and finds every writer gone (_finish_if_over).
+        self.analysis = build_analysis(recorded(finished=False), detectors, history=MAX_HISTORY)
         self.moments: list[Moment] = []
         self._moment_t = array("q")
         #: Per step number, the time its last rank reported it (complete everywhere then).
@@ -249,6 +251,10 @@ class RecordingIndex:
         if next_tick is not None and not self._stop.is_set():
             with self.lock:
                 self.analysis.tick(self.t)
+                if not writers_alive(self.run, self._ended):
+                    # As `ddpscope report` ends a finished recording, so the last
+                    # findings here are the report's.
+                    end_of_stream(self.analysis)
                 self._moment(self.t)
         self._note_missing_ranks()
 

@@ -18,8 +18,9 @@ from ddpscope.analysis.detectors.sampling import (
     ShardingDetector,
     UnevenInputsDetector,
 )
-from ddpscope.analysis.engine import Analysis, Detector
+from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding, severity_at_least
+from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.sources import analyze_recording, merged
 from ddpscope.record import Recording
 from ddpscope.schema import SamplerPass, Step

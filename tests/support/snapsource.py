@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from ddpscope.analysis.engine import Detector
 from ddpscope.analysis.monitor import FeedStats, Monitor
+from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 from ddpscope.schema import Message
 from tests.support.synth import WALL0_NS, FrozenClock

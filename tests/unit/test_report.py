@@ -19,6 +19,7 @@ import pytest
 
 from ddpscope.analysis import report
 from ddpscope.cli.main import main
+from ddpscope.record import reader
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import End, Message, Stacks, Step, encode
 from tests.support.synth import (
@@ -439,7 +440,7 @@ def test_finished_recording_without_end_messages(
     _, out, _ = cli(str(tmp_path), "--json", capsys=capsys)
     doc = json.loads(out)
     assert doc["run"]["still_writing"] is True and doc["findings"] == []
-    old = time.time() - report.STALE_S - 5
+    old = time.time() - reader.STALE_S - 5
     for f in run.iterdir():
         os.utime(f, (old, old))
     _, out, _ = cli(str(tmp_path), "--json", capsys=capsys)

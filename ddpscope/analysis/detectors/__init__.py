@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddpscope.analysis.engine import Detector
+from ddpscope.analysis.protocol import Detector
 
 
 def default_detectors() -> list[Detector]:
