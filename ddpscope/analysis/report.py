@@ -40,14 +40,13 @@ from ddpscope.analysis.engine import Analysis, Detector
 from ddpscope.analysis.evidence import EvidenceTable, layout, table_text
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
 from ddpscope.analysis.sources import replay_recording
-from ddpscope.analysis.state import RankView, RunState
+from ddpscope.analysis.state import NS, RankView, RunState
 from ddpscope.record.reader import Recording, RunDir, find_runs, open_run
 from ddpscope.schema import End, Heartbeat, RunInfo, Step
 
 FORMAT = "ddpscope.report"
 VERSION = 1
 
-NS = 1_000_000_000
 MS = 1_000_000
 #: Split of a step, in table order: JSON key -> Step field.
 SPLIT = {
