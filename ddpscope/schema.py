@@ -450,6 +450,8 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "scatter",
     "scatter_object_list",
 )
+#: Op name for a DDP forward that broadcasts the module's buffers (counted like a collective).
+DDP_BUFFERS = "ddp_buffers"
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
