@@ -32,6 +32,10 @@ probe off with one warning and training goes on.
 
 Functions are patched process-wide, idempotently, while a probe is active
 and restored by :meth:`RecipeProbe.uninstall` when nobody patched on top.
+
+Long module: five probes sharing one process-wide set of patches (the collectives,
+``torch.save``, ``destroy_process_group``, DataParallel) that :class:`RecipeProbe`
+installs and restores together; split, the patch table would have several owners.
 """
 
 from __future__ import annotations
