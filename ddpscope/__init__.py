@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0.dev0"
+from ddpscope._version import __version__
 
 if TYPE_CHECKING:
     from ddpscope.hooks.attach import Handle, InertHandle

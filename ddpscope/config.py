@@ -3,6 +3,12 @@
 Precedence: a keyword passed to ``attach`` beats the environment, which beats
 the default. Every option has one environment variable; docs/configuration.md
 lists them, and a test checks that every entry of ``OPTIONS`` is there.
+
+Every DDPSCOPE_* name is spelled here and nowhere else in the package (the
+``*_VAR`` constants; tests/unit/test_config.py checks). The one exception is
+``ddpscope/_bootstrap/sitecustomize.py``, which runs at the start of every
+Python process of a launched job and imports nothing of ddpscope; the test
+pins its spelling of :data:`AUTOATTACH_VAR` to this one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,33 @@ if TYPE_CHECKING:
     from ddpscope.transport.security import ClientKeys
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5557"
+
+# The rank options' variables, one per field of Options.
+ENDPOINT_VAR = "DDPSCOPE_ENDPOINT"
+CONTROL_ENDPOINT_VAR = "DDPSCOPE_CONTROL_ENDPOINT"
+RECORD_VAR = "DDPSCOPE_RECORD"
+DISABLE_VAR = "DDPSCOPE_DISABLE"
+CHECKSUM_EVERY_VAR = "DDPSCOPE_CHECKSUM_EVERY"
+CHECKSUM_BUDGET_VAR = "DDPSCOPE_CHECKSUM_BUDGET"
+HEARTBEAT_S_VAR = "DDPSCOPE_HEARTBEAT_S"
+RESEND_S_VAR = "DDPSCOPE_RESEND_S"
+STACKS_AFTER_S_VAR = "DDPSCOPE_STACKS_AFTER_S"
+QUEUE_SIZE_VAR = "DDPSCOPE_QUEUE_SIZE"
+SNDHWM_VAR = "DDPSCOPE_SNDHWM"
+RUN_ID_VAR = "DDPSCOPE_RUN_ID"
+SERVER_KEY_VAR = "DDPSCOPE_SERVER_KEY"
+CLIENT_KEY_VAR = "DDPSCOPE_CLIENT_KEY"
+#: The rank's CURVE options, i.e. how a rank reaches the watcher: a watcher
+#: started with the job's environment ignores them, a relay takes them over.
+RANK_KEY_VARS = (SERVER_KEY_VAR, CLIENT_KEY_VAR)
+
+# Variables of the launcher and the watcher, not rank options.
+#: "1": the bootstrap attaches ddpscope to every DDP model (set by ``ddpscope run``).
+AUTOATTACH_VAR = "DDPSCOPE_AUTOATTACH"
+#: 1: ``ddpscope run`` starts a relay on this node; 0: never; unset: on multi-node launches.
+RELAY_VAR = "DDPSCOPE_RELAY"
+#: The watcher's (or relay's) server keys directory; ranks do not read it.
+KEYS_VAR = "DDPSCOPE_KEYS"
 
 
 class ConfigError(ValueError):
@@ -76,7 +109,7 @@ class Options:
         try:
             return load_client_keys(self.server_key, self.client_key)
         except SecurityError as exc:
-            raise ConfigError(f"DDPSCOPE_SERVER_KEY / DDPSCOPE_CLIENT_KEY: {exc}") from None
+            raise ConfigError(f"{SERVER_KEY_VAR} / {CLIENT_KEY_VAR}: {exc}") from None
 
 
 def derive_control_endpoint(endpoint: str) -> str:
@@ -93,36 +126,36 @@ def derive_control_endpoint(endpoint: str) -> str:
 
 #: Option name -> (environment variable, one-line help).
 OPTIONS: dict[str, tuple[str, str]] = {
-    "endpoint": ("DDPSCOPE_ENDPOINT", "ZeroMQ address ranks publish to"),
+    "endpoint": (ENDPOINT_VAR, "ZeroMQ address ranks publish to"),
     "control_endpoint": (
-        "DDPSCOPE_CONTROL_ENDPOINT",
+        CONTROL_ENDPOINT_VAR,
         "ZeroMQ address ranks take requests from (default: endpoint port + 1)",
     ),
-    "record": ("DDPSCOPE_RECORD", "record the run into this directory"),
-    "disable": ("DDPSCOPE_DISABLE", "1 turns ddpscope off; attach() returns an inert handle"),
+    "record": (RECORD_VAR, "record the run into this directory"),
+    "disable": (DISABLE_VAR, "1 turns ddpscope off; attach() returns an inert handle"),
     "checksum_every": (
-        "DDPSCOPE_CHECKSUM_EVERY",
+        CHECKSUM_EVERY_VAR,
         "fingerprint weights every N steps (0: automatic, -1: off)",
     ),
     "checksum_budget": (
-        "DDPSCOPE_CHECKSUM_BUDGET",
+        CHECKSUM_BUDGET_VAR,
         "share of step time automatic fingerprints may cost (default 0.005)",
     ),
-    "heartbeat_s": ("DDPSCOPE_HEARTBEAT_S", "seconds between heartbeats"),
-    "resend_s": ("DDPSCOPE_RESEND_S", "seconds between re-sends of run info"),
+    "heartbeat_s": (HEARTBEAT_S_VAR, "seconds between heartbeats"),
+    "resend_s": (RESEND_S_VAR, "seconds between re-sends of run info"),
     "stacks_after_s": (
-        "DDPSCOPE_STACKS_AFTER_S",
+        STACKS_AFTER_S_VAR,
         "send Python stacks once a rank is stuck this long in one phase",
     ),
-    "queue_size": ("DDPSCOPE_QUEUE_SIZE", "messages buffered before dropping"),
-    "sndhwm": ("DDPSCOPE_SNDHWM", "ZeroMQ send high-water mark"),
-    "run_id": ("DDPSCOPE_RUN_ID", "run id (default: agreed by all ranks of the launch)"),
+    "queue_size": (QUEUE_SIZE_VAR, "messages buffered before dropping"),
+    "sndhwm": (SNDHWM_VAR, "ZeroMQ send high-water mark"),
+    "run_id": (RUN_ID_VAR, "run id (default: agreed by all ranks of the launch)"),
     "server_key": (
-        "DDPSCOPE_SERVER_KEY",
+        SERVER_KEY_VAR,
         "the watcher's or relay's public key (Z85, key file or keys directory): use CURVE",
     ),
     "client_key": (
-        "DDPSCOPE_CLIENT_KEY",
+        CLIENT_KEY_VAR,
         "this rank's keypair file (NAME.key_secret) for servers with an allow-list",
     ),
 }
@@ -165,7 +198,7 @@ def _validate(opts: Options) -> Options:
     opts.resolved_control_endpoint()  # raises on a malformed endpoint
     if opts.client_key and not opts.server_key:
         raise ConfigError(
-            "DDPSCOPE_CLIENT_KEY is set but DDPSCOPE_SERVER_KEY is not: a client keypair is "
+            f"{CLIENT_KEY_VAR} is set but {SERVER_KEY_VAR} is not: a client keypair is "
             "only used together with the server's public key"
         )
     if opts.server_key:

@@ -7,6 +7,10 @@ raises :class:`SchemaError` with a message naming the field.
 
 This module imports neither torch nor textual. docs/wire-schema.md documents
 every field with its unit and when it is sent; keep the two in step.
+
+Long module: the message classes and the decoder are one contract: the decoder
+compiles each kind's checks from its dataclass's annotations, so a field and its check
+change together here (240 of the lines are field comments and blanks).
 """
 
 from __future__ import annotations
@@ -450,6 +454,8 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "scatter",
     "scatter_object_list",
 )
+#: Op name for a DDP forward that broadcasts the module's buffers (counted like a collective).
+DDP_BUFFERS = "ddp_buffers"
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
+from ddpscope.schema import DDP_BUFFERS
 
 
 class Want(NamedTuple):
@@ -78,9 +79,6 @@ def _ranks_of(evidence_map: object) -> set[int]:
 
 
 def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
-    # Imported here: the detectors package imports the engine, which imports this module.
-    from ddpscope.analysis.detectors.recipe import DDP_BUFFERS
-
     out: dict[Key, Want] = {}
     for u in book.of_kind("uneven_inputs"):
         short = set(u.ranks)
@@ -134,8 +132,6 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
 
 def _in_training(op: object) -> bool:
     """A collective every step of the training loop runs (as the blocked maps name them)."""
-    from ddpscope.analysis.detectors.recipe import DDP_BUFFERS
-
     return op in (DDP_BUFFERS, "allreduce", "all-reduce", "broadcast (DDP buffers)")
 
 

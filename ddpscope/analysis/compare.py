@@ -30,7 +30,7 @@ from ddpscope.analysis import report
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
-from ddpscope.analysis.state import RunState
+from ddpscope.analysis.state import NS, RunState
 from ddpscope.record.reader import RecordError, Recording, RunDir, find_runs
 from ddpscope.schema import RunInfo, Step
 
@@ -38,7 +38,6 @@ FORMAT = "ddpscope.compare"
 VERSION = 1
 
 MS = report.MS
-NS = report.NS
 #: Leading step indices left out: the straggler detector's rule (DDP rebuilds its
 #: buckets during step 1 and syncs inside its forward; first steps also compile
 #: and fill caches).

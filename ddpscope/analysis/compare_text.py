@@ -7,8 +7,8 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from ddpscope.analysis import report
 from ddpscope.analysis.compare import _BY_KEY, WIDTH, Metric, _num
+from ddpscope.analysis.report_text import fmt_count, fmt_ms, fmt_ranks
 
 
 def render_text(doc: dict[str, Any]) -> str:
@@ -34,9 +34,9 @@ def header_lines(doc: dict[str, Any]) -> list[str]:
         parts = [
             f"{run['ranks_seen']} of {run['world_size']} ranks"
             if run["world_size"] and run["ranks_seen"] != run["world_size"]
-            else report.fmt_count(run["ranks_seen"], "rank"),
+            else fmt_count(run["ranks_seen"], "rank"),
             "/".join(x for x in (run["backend"], run["device"]) if x),
-            report.fmt_count(run["steps"], "step"),
+            fmt_count(run["steps"], "step"),
             "ended" if run["status"] == "ended" else "open (no end message)",
         ]
         lines.append(f"  {label}  " + " · ".join(p for p in parts if p))
@@ -134,8 +134,8 @@ def rank_lines(doc: dict[str, Any]) -> list[str]:
             delta = f"{100 * (own_b - own_a) / own_a:+.1f}%"
         wait_a, wait_b = a.get("allreduce_wait_ms"), b.get("allreduce_wait_ms")
         out.append(
-            f"  {'rank ' + str(r):<14}{report.fmt_ms(own_a):>12}{report.fmt_ms(wait_a):>12}"
-            f"{report.fmt_ms(own_b):>12}{report.fmt_ms(wait_b):>12}{delta:>12}"
+            f"  {'rank ' + str(r):<14}{fmt_ms(own_a):>12}{fmt_ms(wait_a):>12}"
+            f"{fmt_ms(own_b):>12}{fmt_ms(wait_b):>12}{delta:>12}"
         )
     if len(ranks) < len(set(by_a) | set(by_b)):
         out.append("  (only the slowest and fastest ranks of each side)")
@@ -186,7 +186,7 @@ def _metric_value(v: float | None, m: Metric) -> str:
     if v is None:
         return "-"
     if m.unit == "ms":
-        return report.fmt_ms(v)
+        return fmt_ms(v)
     return f"{v:.2f}" if v < 1000 else f"{v:.0f}"
 
 
@@ -208,7 +208,7 @@ def _kind_cell(k: dict[str, Any] | None) -> str:
     if k is None:
         return "-"
     ranks = k["ranks"]
-    who = "" if not ranks else f", {report.fmt_ranks(ranks)}"
+    who = "" if not ranks else f", {fmt_ranks(ranks)}"
     return f"{k['severity']} x{k['count']}{who}"
 
 

@@ -38,6 +38,8 @@ from ddpscope.schema import (
     Step,
 )
 
+#: Nanoseconds in a second: every time in the run model (and on the wire) is an int of ns.
+NS = 1_000_000_000
 #: World sizes beyond this are hostile or corrupt, not real (the decoder's bound;
 #: checked again here for messages built in process, which never went through it).
 MAX_WORLD = MAX_WORLD_SIZE

@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from ddpscope import config
+
 #: Where keys go when neither DIR nor DDPSCOPE_KEYS says.
 DEFAULT_KEYS_DIR = os.path.join("~", ".ddpscope", "keys")
 
@@ -58,7 +60,7 @@ class KeysCommand:
         )
 
         directory = os.path.expanduser(
-            args.dir or os.environ.get("DDPSCOPE_KEYS") or DEFAULT_KEYS_DIR
+            args.dir or os.environ.get(config.KEYS_VAR) or DEFAULT_KEYS_DIR
         )
         try:
             if args.client:

@@ -77,14 +77,14 @@ class RelayCommand:
         parser.add_argument(
             "--server-key",
             metavar="KEY",
-            default=os.environ.get("DDPSCOPE_SERVER_KEY", ""),
+            default=os.environ.get(config.SERVER_KEY_VAR, ""),
             help="the watcher's public key (Z85, key file or keys directory; default "
             "$DDPSCOPE_SERVER_KEY): connect upstream with CURVE",
         )
         parser.add_argument(
             "--client-key",
             metavar="FILE",
-            default=os.environ.get("DDPSCOPE_CLIENT_KEY", ""),
+            default=os.environ.get(config.CLIENT_KEY_VAR, ""),
             help="this relay's keypair (NAME.key_secret) for a watcher with an allow-list "
             "(default $DDPSCOPE_CLIENT_KEY; else a fresh one)",
         )

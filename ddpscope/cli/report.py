@@ -61,7 +61,7 @@ exit status:
         )
 
     def run(self, args: argparse.Namespace) -> int:
-        from ddpscope.analysis import report
+        from ddpscope.analysis import report, report_text
         from ddpscope.record.reader import RecordError
 
         try:
@@ -81,7 +81,7 @@ exit status:
                 )
             sys.stdout.write(json.dumps(result, indent=2, default=str) + "\n")
         else:
-            sys.stdout.write(report.render_text(result))
+            sys.stdout.write(report_text.render_text(result))
         sys.stdout.flush()
         if args.fail_on and report.fails(result, args.fail_on):
             return EXIT_FINDINGS

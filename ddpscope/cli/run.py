@@ -17,37 +17,26 @@ import argparse
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-import ddpscope
 from ddpscope import config
-from ddpscope.cli.lifeline import STOP_SIGNALS, Lifeline
+from ddpscope.cli.launch import launch
 
 #: Directory whose sitecustomize.py hooks DDP construction in the child processes.
-BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(ddpscope.__file__)), "_bootstrap")
+BOOTSTRAP_DIR = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_bootstrap"
+)
 
 #: Where recordings go when neither --record nor DDPSCOPE_RECORD says.
 DEFAULT_RECORD_DIR = "runs"
 
-#: The signals a user (or a scheduler) sends to stop a job; the child gets them.
-FORWARDED_SIGNALS = STOP_SIGNALS
-
 # Run ids become directory names; keep them to characters every filesystem takes.
 _RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
-AUTOATTACH_VAR = "DDPSCOPE_AUTOATTACH"
-#: 1: start a relay on this node; 0: never; unset: on multi-node torchrun launches.
-RELAY_VAR = "DDPSCOPE_RELAY"
-#: The watcher's server keys directory (a relay or watcher reads it, ranks do not).
-KEYS_VAR = "DDPSCOPE_KEYS"
-#: Rank options that describe how to reach the watcher itself; a relay takes them over.
-UPSTREAM_KEY_VARS = ("DDPSCOPE_SERVER_KEY", "DDPSCOPE_CLIENT_KEY")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -101,16 +90,16 @@ def build_env(
     env = dict(base)
     entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p != BOOTSTRAP_DIR]
     env["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR, *(p for p in entries if p)])
-    env[AUTOATTACH_VAR] = "1"
+    env[config.AUTOATTACH_VAR] = "1"
 
     if record is None:
-        record = env.get("DDPSCOPE_RECORD") or DEFAULT_RECORD_DIR
+        record = env.get(config.RECORD_VAR) or DEFAULT_RECORD_DIR
     # Absolute: the ranks may run in another directory than this launcher.
-    env["DDPSCOPE_RECORD"] = os.path.abspath(record) if record else ""
+    env[config.RECORD_VAR] = os.path.abspath(record) if record else ""
     if endpoint is not None:
-        env["DDPSCOPE_ENDPOINT"] = endpoint
+        env[config.ENDPOINT_VAR] = endpoint
     if run_id is None:
-        run_id = env.get("DDPSCOPE_RUN_ID") or None
+        run_id = env.get(config.RUN_ID_VAR) or None
     if run_id is None and torchrun_nnodes(command) > 1:
         run_id = shared_run_id(command) or ""
     if run_id is None:
@@ -121,15 +110,15 @@ def build_env(
             "letter or digit (it names the run's directory)"
         )
     if run_id:
-        env["DDPSCOPE_RUN_ID"] = run_id
+        env[config.RUN_ID_VAR] = run_id
     else:
-        env.pop("DDPSCOPE_RUN_ID", None)  # the ranks agree on one through their store
-    keys = env.get(KEYS_VAR, "")
-    if keys and not env.get("DDPSCOPE_SERVER_KEY"):
+        env.pop(config.RUN_ID_VAR, None)  # the ranks agree on one through their store
+    keys = env.get(config.KEYS_VAR, "")
+    if keys and not env.get(config.SERVER_KEY_VAR):
         # The watcher listens with these keys: the ranks need their public half.
         from ddpscope.transport.security import PUBLIC_SUFFIX, SERVER_NAME
 
-        env["DDPSCOPE_SERVER_KEY"] = os.path.join(
+        env[config.SERVER_KEY_VAR] = os.path.join(
             os.path.abspath(os.path.expanduser(keys)), SERVER_NAME + PUBLIC_SUFFIX
         )
     try:
@@ -145,7 +134,7 @@ def check_record_dir(env: Mapping[str, str]) -> None:
     Each rank would otherwise find out alone, after the job started, and
     train unrecorded with a warning in its output.
     """
-    record = env.get("DDPSCOPE_RECORD", "")
+    record = env.get(config.RECORD_VAR, "")
     if not record:
         return
     try:
@@ -227,13 +216,14 @@ def wants_relay(command: Sequence[str], env: Mapping[str, str], flag: bool | Non
     """
     if flag is not None:
         return flag
-    value = env.get(RELAY_VAR, "").strip().lower()
+    value = env.get(config.RELAY_VAR, "").strip().lower()
     if value in _TRUE:
         return True
     if value in _FALSE:
         return False
     if value:
-        raise UsageError(f"{RELAY_VAR}={env[RELAY_VAR]!r}: use 1 (relay) or 0 (no relay)")
+        var = config.RELAY_VAR
+        raise UsageError(f"{var}={env[var]!r}: use 1 (relay) or 0 (no relay)")
     return torchrun_nnodes(command) > 1
 
 
@@ -277,9 +267,9 @@ class NodeRelay:
 
     def rank_env(self, env: Mapping[str, str]) -> dict[str, str]:
         """The ranks' environment: publish to the relay, which holds the upstream keys."""
-        out = {k: v for k, v in env.items() if k not in UPSTREAM_KEY_VARS}
-        out["DDPSCOPE_ENDPOINT"] = self.listen
-        out["DDPSCOPE_CONTROL_ENDPOINT"] = config.derive_control_endpoint(self.listen)
+        out = {k: v for k, v in env.items() if k not in config.RANK_KEY_VARS}
+        out[config.ENDPOINT_VAR] = self.listen
+        out[config.CONTROL_ENDPOINT_VAR] = config.derive_control_endpoint(self.listen)
         return out
 
     def start(self) -> None:
@@ -300,72 +290,6 @@ def describe(env: Mapping[str, str]) -> str:
         return f"ddpscope: run {run} is not recorded (--record ''); {live}"
     where = os.path.join(opts.record, opts.run_id or "RUN_ID")
     return f"ddpscope: recording run {run} to {where}{os.sep} ({live})"
-
-
-class _Forwarder:
-    """Passes stop signals on to the child's process group.
-
-    The child runs in its own session, so a Ctrl-C in the terminal reaches
-    only this launcher and is delivered to the job exactly once, by us; a
-    SIGTERM from a scheduler, which only knows our pid, reaches the job too.
-    The handlers themselves are a :class:`~ddpscope.cli.lifeline.Lifeline`'s.
-    """
-
-    def __init__(self) -> None:
-        self.pgid: int | None = None
-        self.pending: list[int] = []
-
-    def started(self, pgid: int) -> None:
-        self.pgid = pgid
-        pending, self.pending = self.pending, []
-        for sig in pending:
-            self._send(sig)
-
-    def handle(self, signum: int) -> None:
-        if self.pgid is None:
-            self.pending.append(signum)  # arrived while the child was being started
-        else:
-            self._send(signum)
-
-    def _send(self, signum: int) -> None:
-        assert self.pgid is not None
-        try:
-            os.killpg(self.pgid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass  # the group is gone already
-
-
-def start_job(
-    command: list[str], env: Mapping[str, str], forwarder: _Forwarder, **popen: Any
-) -> subprocess.Popen[bytes] | int:
-    """Start ``command`` in its own session, signals forwarded to it; or the shell's
-    exit status (127 not found, 126 not executable) after saying why it could not."""
-    try:
-        child = subprocess.Popen(command, env=dict(env), start_new_session=True, **popen)
-    except FileNotFoundError:
-        print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
-        return 127
-    except PermissionError as exc:
-        print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
-        return 126
-    forwarder.started(child.pid)
-    return child
-
-
-def exit_status(returncode: int) -> int:
-    """A child's status as a shell reports it: 128 + signal when it was killed."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def launch(command: list[str], env: Mapping[str, str]) -> int:
-    """Run ``command`` to the end; its exit status, or 128 + signal if killed."""
-    forwarder = _Forwarder()
-    with Lifeline(on_signal=forwarder.handle):
-        child = start_job(command, env, forwarder)
-        if isinstance(child, int):
-            return child
-        rc = child.wait()
-    return exit_status(rc)
 
 
 class RunCommand:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ddpscope import config
+from ddpscope.cli.launch import Forwarder, exit_status, launch, start_job
 from ddpscope.cli.lifeline import Lifeline, say
 
 if TYPE_CHECKING:
@@ -101,14 +102,14 @@ class WatchCommand:
     def run(self, args: argparse.Namespace) -> int:
         env = dict(os.environ)
         if args.endpoint:
-            env["DDPSCOPE_ENDPOINT"] = args.endpoint
+            env[config.ENDPOINT_VAR] = args.endpoint
         if args.control_endpoint:
-            env["DDPSCOPE_CONTROL_ENDPOINT"] = args.control_endpoint
+            env[config.CONTROL_ENDPOINT_VAR] = args.control_endpoint
         if args.keys:
-            env[KEYS_VAR] = args.keys
+            env[config.KEYS_VAR] = args.keys
         # The watcher needs only where to listen; the rank-side key options
         # (DDPSCOPE_SERVER_KEY, ...) in its environment are not its business.
-        watcher_env = {k: v for k, v in env.items() if k not in RANK_ONLY_VARS}
+        watcher_env = {k: v for k, v in env.items() if k not in config.RANK_KEY_VARS}
         try:
             opts = config.load(env=watcher_env)
         except config.ConfigError as exc:
@@ -118,7 +119,7 @@ class WatchCommand:
         from ddpscope.ui.app import build_app
 
         try:
-            feed, sub = open_feed(opts, env.get(KEYS_VAR, ""), args.catch_up)
+            feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""), args.catch_up)
         except SecurityError as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
@@ -138,12 +139,6 @@ def terminal_fd() -> int | None:
     except (OSError, ValueError):
         return None
     return fd if fd >= 0 and os.isatty(fd) else None
-
-
-#: The watcher's (and relay's) server keys directory.
-KEYS_VAR = "DDPSCOPE_KEYS"
-#: Options only ranks use: a watcher started with the job's environment ignores them.
-RANK_ONLY_VARS = ("DDPSCOPE_SERVER_KEY", "DDPSCOPE_CLIENT_KEY")
 
 
 def open_feed(
@@ -202,18 +197,17 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
     job gets the signal (a lost terminal is a SIGHUP, as for a job run in it,
     unless SIGHUP was ignored: ``nohup``) and the launcher waits for it.
     """
-    from ddpscope.cli.run import _Forwarder, exit_status, launch, start_job
     from ddpscope.transport.security import SecurityError
     from ddpscope.ui.app import build_app
 
-    opts = config.load(env={k: v for k, v in env.items() if k not in RANK_ONLY_VARS})
+    opts = config.load(env={k: v for k, v in env.items() if k not in config.RANK_KEY_VARS})
     try:
-        feed, sub = open_feed(opts, env.get(KEYS_VAR, ""))
+        feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""))
     except (OSError, SecurityError) as exc:
         print(f"ddpscope run: {exc}; running without the watcher", file=sys.stderr)
         return launch(command, env)
     log_path = job_log_path(env)
-    forwarder = _Forwarder()
+    forwarder = Forwarder()
     hangup = int(getattr(signal, "SIGHUP", 1))
 
     def terminal_lost() -> None:

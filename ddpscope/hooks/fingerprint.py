@@ -65,6 +65,10 @@ Limits: a non-contiguous tensor is copied first (a transient second copy
 of it); a sparse tensor is hashed as its dense values; meta tensors are
 refused. The first check on a device builds small weight tables (one blocking
 host-to-device copy); later checks reuse them.
+
+Long module: the hash, its device-to-host transfer and the Fingerprinter that paces
+it are one design, and its derivation (this docstring) stays beside the code it
+justifies.
 """
 
 from __future__ import annotations

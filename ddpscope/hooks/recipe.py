@@ -32,6 +32,10 @@ probe off with one warning and training goes on.
 
 Functions are patched process-wide, idempotently, while a probe is active
 and restored by :meth:`RecipeProbe.uninstall` when nobody patched on top.
+
+Long module: five probes sharing one process-wide set of patches (the collectives,
+``torch.save``, ``destroy_process_group``, DataParallel) that :class:`RecipeProbe`
+installs and restores together; split, the patch table would have several owners.
 """
 
 from __future__ import annotations
@@ -54,14 +58,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-import ddpscope
 from ddpscope.hooks import compiled
-from ddpscope.schema import COLLECTIVE_OPS
+from ddpscope.schema import COLLECTIVE_OPS, DDP_BUFFERS
 
 log = logging.getLogger("ddpscope")
 
-#: Op name for a DDP forward that broadcasts the module's buffers.
-DDP_BUFFERS = "ddp_buffers"
 #: Site of DDP forwards run for training (the frame walk is spared on the hot path).
 TRAINING_FORWARDS = "(training forwards)"
 #: Distinct (op, group, site) keys counted; beyond, counts go to one overflow site.
@@ -76,7 +77,7 @@ SNAPSHOT_EVERY = 256
 
 _INTERNAL_PREFIXES = (
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(ddpscope.__file__) + os.sep,
+    os.path.dirname(os.path.dirname(__file__)) + os.sep,  # the ddpscope package
 )
 _internal_files: dict[str, bool] = {}
 

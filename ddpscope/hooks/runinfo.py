@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import ddpscope
+from ddpscope._version import __version__
 from ddpscope.config import Options
 
 _RUN_ID_KEY = "ddpscope/run_id"
@@ -63,7 +63,7 @@ def topology() -> dict[str, int]:
 
 def versions() -> dict[str, str]:
     return {
-        "ddpscope": ddpscope.__version__,
+        "ddpscope": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
     }

@@ -248,7 +248,7 @@ def parse_server_key(value: str) -> bytes:
     text = value.strip()
     if len(text) == Z85_LEN and not os.path.exists(text):
         key = text.encode()
-        _check_z85(key, "DDPSCOPE_SERVER_KEY")
+        _check_z85(key, "server key")
         return key
     path = os.path.expanduser(text)
     if os.path.isdir(path):

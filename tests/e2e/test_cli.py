@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.cli import launch
 from ddpscope.cli import run as run_cmd
 from tests.support.torchrun import ROOT, job_env
 from tests.unit.test_cli import _recording
@@ -219,3 +220,28 @@ def test_stop_signal_reaches_the_child_and_its_status_comes_back(
     finally:
         launcher.kill()
         launcher.communicate()
+
+
+def test_a_stop_signal_that_comes_while_the_job_starts_reaches_it_once_started(
+    tmp_path: Path,
+) -> None:
+    # The handlers are in place before the child exists: a signal in between
+    # waits in the forwarder and goes to the job's group as soon as it has one.
+    forwarder = launch.Forwarder()
+    forwarder.handle(signal.SIGTERM)
+    child = launch.start_job(
+        [sys.executable, "-c", SLEEPER, "default"], job_env(), forwarder, stdout=subprocess.PIPE
+    )
+    assert not isinstance(child, int)
+    try:
+        assert launch.exit_status(child.wait(timeout=30)) == 128 + signal.SIGTERM
+        assert forwarder.pgid == child.pid and forwarder.pending == []
+    finally:
+        child.kill()
+        child.communicate()
+
+
+def test_launch_reports_a_killed_job_as_a_shell_does() -> None:
+    command = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    assert launch.launch(command, job_env()) == 128 + signal.SIGKILL
+    assert launch.launch([sys.executable, "-c", "raise SystemExit(7)"], job_env()) == 7

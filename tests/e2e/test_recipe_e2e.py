@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ddpscope.analysis import report
+from ddpscope.analysis import report, report_text
 from ddpscope.record import find_runs, open_run
 from ddpscope.schema import Collectives
 from tests.support.torchrun import DEMO, job_env, torchrun
@@ -88,7 +88,7 @@ def test_the_report_header_shows_the_global_batch_and_lr(healthy: Any) -> None:
     training = doc["run"]["training"]
     assert training["global_batch"] == 64 and training["per_rank_batch"] == 32
     assert training["accumulation"] == 1 and training["exact"] and training["lr"] == 0.05
-    text = report.render_text(doc)
+    text = report_text.render_text(doc)
     assert "  training: global batch 64 = 32 per rank x 2 ranks · lr 0.05\n" in text
 
 

@@ -74,10 +74,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
-from ddpscope.analysis.state import RankView, RunState
+from ddpscope.analysis.state import NS, RankView, RunState
 from ddpscope.schema import WAITING_PHASES, Heartbeat, Message, Stacks, Step
-
-NS = 1_000_000_000
 
 #: End reasons that mean the process itself ended.
 EXIT_REASONS = frozenset({"exit", "exception"})

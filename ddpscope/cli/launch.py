@@ -1,0 +1,87 @@
+"""Starting a job and waiting for it: what ``ddpscope run`` does with or without the UI.
+
+``ddpscope run --headless`` (:func:`launch`) and ``ddpscope run`` with the
+watcher beside the job (``ddpscope.cli.watch.launch_with_watcher``) start the
+command the same way (its own session, stop signals passed on to it) and
+report its status the same way, through the pieces here. They sit in their
+own module so that run and watch both import them and neither imports the
+other's internals.
+
+No torch and no textual: only the rank processes need torch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from ddpscope.cli.lifeline import Lifeline
+
+
+class Forwarder:
+    """Passes stop signals on to the child's process group.
+
+    The child runs in its own session, so a Ctrl-C in the terminal reaches
+    only this launcher and is delivered to the job exactly once, by us; a
+    SIGTERM from a scheduler, which only knows our pid, reaches the job too.
+    The handlers themselves are a :class:`~ddpscope.cli.lifeline.Lifeline`'s.
+    """
+
+    def __init__(self) -> None:
+        self.pgid: int | None = None
+        self.pending: list[int] = []
+
+    def started(self, pgid: int) -> None:
+        self.pgid = pgid
+        pending, self.pending = self.pending, []
+        for sig in pending:
+            self._send(sig)
+
+    def handle(self, signum: int) -> None:
+        if self.pgid is None:
+            self.pending.append(signum)  # arrived while the child was being started
+        else:
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        assert self.pgid is not None
+        try:
+            os.killpg(self.pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone already
+
+
+def start_job(
+    command: list[str], env: Mapping[str, str], forwarder: Forwarder, **popen: Any
+) -> subprocess.Popen[bytes] | int:
+    """Start ``command`` in its own session, signals forwarded to it; or the shell's
+    exit status (127 not found, 126 not executable) after saying why it could not."""
+    try:
+        child = subprocess.Popen(command, env=dict(env), start_new_session=True, **popen)
+    except FileNotFoundError:
+        print(f"ddpscope run: {command[0]}: command not found", file=sys.stderr)
+        return 127
+    except PermissionError as exc:
+        print(f"ddpscope run: {command[0]}: {exc.strerror}", file=sys.stderr)
+        return 126
+    forwarder.started(child.pid)
+    return child
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it: 128 + signal when it was killed."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def launch(command: list[str], env: Mapping[str, str]) -> int:
+    """Run ``command`` to the end; its exit status, or 128 + signal if killed."""
+    forwarder = Forwarder()
+    with Lifeline(on_signal=forwarder.handle):
+        child = start_job(command, env, forwarder)
+        if isinstance(child, int):
+            return child
+        rc = child.wait()
+    return exit_status(rc)
