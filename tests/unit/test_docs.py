@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 
@@ -31,8 +30,9 @@ from ddpscope.schema import (
     SCHEMA_VERSION,
     Message,
 )
+from tests.support.torchrun import ROOT
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = ROOT / "docs"
 WIRE = (DOCS / "wire-schema.md").read_text()
 RECORD = (DOCS / "record-format.md").read_text()
 

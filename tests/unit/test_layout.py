@@ -92,6 +92,19 @@ def test_tests_and_benchmarks_leave_sys_path_alone() -> None:
     assert not edits, f"import tests.support as a package instead: {edits}"
 
 
+def test_the_root_comes_from_support_not_from_a_files_depth() -> None:
+    # A file's depth changes when it moves (tests/ -> tests/unit/); ROOT does not.
+    counted = [
+        f"{_rel(p)}:{n}"
+        for p in _modules("tests")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if ".parents[" in line
+        and p != TESTS / "support" / "torchrun.py"
+        and p.name != "test_layout.py"
+    ]
+    assert not counted, f"import ROOT from tests.support.torchrun instead: {counted}"
+
+
 def test_ddpscope_is_imported_never_importorskipped() -> None:
     skipped = []
     for p in _modules("tests"):

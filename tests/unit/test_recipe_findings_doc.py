@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from ddpscope.analysis.detectors import default_detectors
+from tests.support.torchrun import ROOT
 
-DOC = (Path(__file__).resolve().parents[2] / "docs" / "findings.md").read_text()
+DOC = (ROOT / "docs" / "findings.md").read_text()
 KINDS = sorted({k for det in default_detectors() for k in det.kinds})
 PARTS = ("**Severity:**", "**What it means.**", "**Example:**", "**Evidence:**", "**Fix:**")
 

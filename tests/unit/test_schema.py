@@ -27,6 +27,7 @@ from ddpscope.schema import (
     encode,
     encode_fields,
 )
+from tests.support.torchrun import ROOT
 
 
 def _step(**over: object) -> Step:
@@ -329,9 +330,8 @@ def test_stack_frames_must_be_file_line_function() -> None:
 
 
 def test_every_bound_is_in_the_documented_table() -> None:
-    from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[2] / "docs" / "wire-schema.md").read_text()
+    doc = (ROOT / "docs" / "wire-schema.md").read_text()
     section = doc[doc.index("## Validation limits and hostile input") :]
     for name, value in [
         ("MAX_STRING_BYTES", MAX_STRING_BYTES),
