@@ -23,7 +23,7 @@ RAMP = ("#4e4e4e", "#2e7d32", "#9e9d24", "#f9a825", "#ef6c00", "#e53935")
 FLOOR = 0.05
 
 
-class BucketView(RowsView):
+class BucketView(RowsView[RankRow]):
     RANK_W = 5
     MAX_W = 7
 

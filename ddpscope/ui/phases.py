@@ -53,7 +53,7 @@ def bar_cells(row: RankRow, scale_ms: float, width: int) -> list[tuple[int, int]
     return out
 
 
-class PhaseBars(RowsView):
+class PhaseBars(RowsView[RankRow]):
     RANK_W = 5
     MS_W = 7
 

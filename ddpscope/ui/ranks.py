@@ -98,7 +98,7 @@ def order_rows(rows: Sequence[RankRow], column: str, reverse: bool) -> list[Rank
     return sorted(tie, key=col.sort, reverse=col.descending != reverse)
 
 
-class RanksTable(RowsView):
+class RanksTable(RowsView[RankRow]):
     """Sort with ``<``/``>`` (column) and ``r`` (direction), or click a header."""
 
     DEFAULT_CSS = """

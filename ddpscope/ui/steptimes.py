@@ -34,7 +34,7 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class StepTimes(RowsView):
+class StepTimes(RowsView[RankRow]):
     RANK_W = 5
     TAIL_W = 16  # "  last    p50 "
 
