@@ -24,7 +24,6 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
 from textual.widget import Widget
-from textual.widgets import Footer
 
 from ddpscope.analysis.snapshot import RankRow, Snapshot, SnapshotRequest
 from ddpscope.ui.buckets import BucketView
@@ -34,6 +33,7 @@ from ddpscope.ui.findings import FindingsPanel
 from ddpscope.ui.header import HeaderPanel, Situation
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.hosts import HostsView
+from ddpscope.ui.keysline import KeysLine
 from ddpscope.ui.logview import LogView
 from ddpscope.ui.messages import (
     FilterCancelled,
@@ -160,6 +160,7 @@ class WatchApp(App[None]):
         self.viewbar = ViewBar(id="viewbar")
         self.problems = ProblemStrip(id="problems")
         self.filter_bar = FilterBar(id="filter")
+        self.keys_line = KeysLine(id="keys")
         self.ranks = RanksTable(id="ranks")
         self.hosts = HostsView(id="hosts")
         self.phases = PhaseBars(id="phases")
@@ -188,7 +189,7 @@ class WatchApp(App[None]):
                 yield self.log_view
             yield self.findings
         yield self.filter_bar
-        yield Footer()
+        yield self.keys_line
 
     def on_mount(self) -> None:
         self.source.listen(self._from_source)
@@ -454,12 +455,17 @@ class WatchApp(App[None]):
         return True
 
     def action_filter(self) -> None:
+        # The prompt takes the keys line's place: the same height, so nothing
+        # else moves and no view is redrawn for it.
+        self.keys_line.display = False
         self.filter_bar.open(self.rank_filter.text)
 
     def on_filter_chosen(self, message: FilterChosen) -> None:
+        self.keys_line.display = True
         self.set_filter(message.text)
 
     def on_filter_cancelled(self, message: FilterCancelled) -> None:
+        self.keys_line.display = True
         self._focus_view()
 
     def action_clear_filter(self) -> None:
