@@ -162,6 +162,7 @@ class HostsView(RowsView[Item]):
             self.user_moved = True
             self.scroll_to_cursor()
             self.refresh()
+            self.announce(line.rank)
 
     # --- drawing -----------------------------------------------------------------------
 
