@@ -449,9 +449,12 @@ class WatchApp(App[None]):
     # --- the filter ----------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        # "Clear filter" is in the footer (and escape means it) only while a filter is set.
+        # The filter belongs to the main screen's views, not to the rank detail or help;
+        # "Clear filter" is in the keys line (and escape means it) only while one is set.
+        if action == "filter":
+            return len(self.screen_stack) <= 1
         if action == "clear_filter":
-            return not self.rank_filter.empty
+            return len(self.screen_stack) <= 1 and not self.rank_filter.empty
         return True
 
     def action_filter(self) -> None:
