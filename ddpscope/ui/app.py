@@ -316,6 +316,7 @@ class WatchApp(App[None]):
 
     def _apply_rows(self, snap: Snapshot) -> None:
         ordered = self._order_rows(snap)
+        key = self._ordered_key[:3]  # the set of rows: snapshot and filter, not their order
         self._order = [r.rank for r in ordered]
         views: tuple[RowsView[Any], ...] = (
             self.ranks,
@@ -332,11 +333,11 @@ class WatchApp(App[None]):
             if not self._shown(view):
                 continue  # hidden views are not drawn; they catch up when shown
             if isinstance(view, BucketView):
-                view.set_matrix(snap.buckets, ordered)
+                view.set_matrix(snap.buckets, ordered, key)
             elif isinstance(view, HostsView):
                 view.set_ranks(self._kept)
             else:
-                view.set_rows(ordered)
+                view.set_rows(ordered, key)
             view.follow(self.selected)
 
     def _notice_new_run(self, snap: Snapshot) -> None:

@@ -124,8 +124,13 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
 
     # --- data ------------------------------------------------------------------
 
-    def set_rows(self, rows: Sequence[RowT]) -> None:
-        """New rows, already in display order. Cheap: nothing is drawn here."""
+    def set_rows(self, rows: Sequence[RowT], key: object = None) -> None:
+        """New rows, already in display order. Cheap: nothing is drawn here.
+
+        ``key`` names the set of rows, whatever their order (the snapshot and the
+        filter): views that sum up every row (a scale, the columns in use) skip
+        that while it is unchanged, so a re-sort costs a sort. None: always sum.
+        """
         self.rows = tuple(rows)
         self._index = {row.rank: i for i, row in enumerate(self.rows)}
         self._lines.clear()
