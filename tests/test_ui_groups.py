@@ -191,7 +191,7 @@ def test_filter_by_range_host_and_both_then_escape_shows_every_rank(cluster: Pre
         async def type_filter(text: str) -> None:
             await pilot.press("slash")
             await pilot.pause()
-            assert app.filter_bar.has_focus
+            assert app.filter_prompt.bar.has_focus
             await pilot.press(*text, "enter")
             await pilot.pause()
 

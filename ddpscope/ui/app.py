@@ -28,7 +28,7 @@ from textual.widget import Widget
 from ddpscope.analysis.snapshot import RankRow, Snapshot, SnapshotRequest
 from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
-from ddpscope.ui.filterbar import FilterBar
+from ddpscope.ui.filterbar import FilterPrompt
 from ddpscope.ui.findings import FindingsPanel
 from ddpscope.ui.header import HeaderPanel, Situation
 from ddpscope.ui.help import HelpScreen
@@ -159,7 +159,7 @@ class WatchApp(App[None]):
         self.header = HeaderPanel(id="header")
         self.viewbar = ViewBar(id="viewbar")
         self.problems = ProblemStrip(id="problems")
-        self.filter_bar = FilterBar(id="filter")
+        self.filter_prompt = FilterPrompt(id="filter")
         self.keys_line = KeysLine(id="keys")
         self.ranks = RanksTable(id="ranks")
         self.hosts = HostsView(id="hosts")
@@ -188,7 +188,7 @@ class WatchApp(App[None]):
                     yield self.buckets
                 yield self.log_view
             yield self.findings
-        yield self.filter_bar
+        yield self.filter_prompt
         yield self.keys_line
 
     def on_mount(self) -> None:
@@ -462,7 +462,7 @@ class WatchApp(App[None]):
         # The prompt takes the keys line's place: the same height, so nothing
         # else moves and no view is redrawn for it.
         self.keys_line.display = False
-        self.filter_bar.open(self.rank_filter.text)
+        self.filter_prompt.open(self.rank_filter.text)
 
     def on_filter_chosen(self, message: FilterChosen) -> None:
         self.keys_line.display = True

@@ -38,8 +38,8 @@ HOST_W = 18
 COLUMNS: tuple[tuple[str, int], ...] = (
     ("ranks", 5),
     ("status", 10),
-    ("problem ranks / phase", 24),
-    ("step", 9),
+    ("problems / phase", 20),
+    ("step", 7),
     ("step ms", 7),
     ("busy", 6),
     ("wait", 6),
@@ -174,7 +174,7 @@ class HostsView(RowsView[Item]):
         n = len(self.groups)
         out = [cell(f"host ({n})", HOST_W, style)]
         for label, width in COLUMNS:
-            right = label not in ("status", "problem ranks / phase")
+            right = label not in ("status", "problems / phase")
             out.append(cell(label, width, style, right))
         return out
 
@@ -216,5 +216,5 @@ class HostsView(RowsView[Item]):
         out = [first]
         for (label, width), text in zip(COLUMNS, texts, strict=True):
             style = badge if label == "status" else normal
-            out.append(cell(text, width, style, label not in ("status", "problem ranks / phase")))
+            out.append(cell(text, width, style, label not in ("status", "problems / phase")))
         return out
