@@ -17,23 +17,27 @@ step times and buckets show together.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
 from textual.widget import Widget
-from textual.widgets import Footer
 
-from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
+from ddpscope.analysis.snapshot import RankRow, Snapshot, SnapshotRequest
 from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
+from ddpscope.ui.filterbar import FilterPrompt
 from ddpscope.ui.findings import FindingsPanel
 from ddpscope.ui.header import HeaderPanel, Situation
 from ddpscope.ui.help import HelpScreen
+from ddpscope.ui.hosts import HostsView
+from ddpscope.ui.keysline import KeysLine
 from ddpscope.ui.logview import LogView
 from ddpscope.ui.messages import (
+    FilterCancelled,
+    FilterChosen,
     RankChosen,
     RankHighlighted,
     SnapshotReady,
@@ -41,6 +45,8 @@ from ddpscope.ui.messages import (
     ViewChosen,
 )
 from ddpscope.ui.phases import PhaseBars
+from ddpscope.ui.problems import ProblemStrip
+from ddpscope.ui.rankfilter import EVERYTHING, RankFilter, parse
 from ddpscope.ui.ranks import RanksTable, order_rows
 from ddpscope.ui.rows import RowsView
 from ddpscope.ui.steptimes import StepTimes
@@ -92,10 +98,11 @@ class WatchApp(App[None]):
     #body { height: 1fr; layout: vertical; }
     #body.-wide { layout: horizontal; }
     #views { height: 1fr; width: 1fr; }
-    #ranks, #log, #phases { height: 1fr; }
+    #ranks, #hosts, #log, #phases { height: 1fr; }
     #lower { height: 1fr; }
     #steps, #buckets { width: 1fr; height: 1fr; }
-    #body.-dash #ranks { height: auto; max-height: 45%; border-bottom: hkey $panel-lighten-2; }
+    #body.-dash #ranks, #body.-dash #hosts { height: auto; max-height: 45%;
+        border-bottom: hkey $panel-lighten-2; }
     #body.-dash #phases { height: auto; max-height: 30%; border-bottom: hkey $panel-lighten-2; }
     #body.-dash #steps { border-right: vkey $panel-lighten-2; }
     #findings { height: auto; max-height: 8; border-top: hkey $panel-lighten-2; }
@@ -114,6 +121,8 @@ class WatchApp(App[None]):
         Binding("greater_than_sign", "sort(1)", "Sort", show=False),
         Binding("r", "reverse", "Reverse", show=False),
         Binding("m", "metric", "Metric", show=False),
+        Binding("slash", "filter", "Filter"),
+        Binding("escape", "clear_filter", "Clear filter"),
         *(Binding(key, f"view('{name}')", label, show=False) for name, key, label in VIEWS),
     ]
 
@@ -139,11 +148,21 @@ class WatchApp(App[None]):
         self.lifeline: Lifeline | None = None
         self._run_id: str | None = None
         self._order: list[int] = []
+        self.rank_filter: RankFilter = EVERYTHING
+        #: (snapshot seq, filter, sort column, reverse) -> the rows in display order:
+        #: a key that changes none of them (a view, the cursor) sorts nothing again.
+        self._ordered_key: tuple[object, ...] = ()
+        self._ordered: list[RankRow] = []
+        self._kept: list[RankRow] = []
         # The main screen's widgets, held directly: App.query_one searches the
         # active screen, which is the rank detail or help while those are open.
         self.header = HeaderPanel(id="header")
         self.viewbar = ViewBar(id="viewbar")
+        self.problems = ProblemStrip(id="problems")
+        self.filter_prompt = FilterPrompt(id="filter")
+        self.keys_line = KeysLine(id="keys")
         self.ranks = RanksTable(id="ranks")
+        self.hosts = HostsView(id="hosts")
         self.phases = PhaseBars(id="phases")
         self.steps = StepTimes(id="steps")
         self.buckets = BucketView(id="buckets")
@@ -158,16 +177,19 @@ class WatchApp(App[None]):
     def compose(self) -> ComposeResult:
         yield self.header
         yield self.viewbar
+        yield self.problems
         with self.body:
             with self.views:
                 yield self.ranks
+                yield self.hosts
                 yield self.phases
                 with self.lower:
                     yield self.steps
                     yield self.buckets
                 yield self.log_view
             yield self.findings
-        yield Footer()
+        yield self.filter_prompt
+        yield self.keys_line
 
     def on_mount(self) -> None:
         self.source.listen(self._from_source)
@@ -264,7 +286,8 @@ class WatchApp(App[None]):
             self._notice_new_run(snap)
             active = [f for f in snap.findings if f.active]
             worst = active[0].severity if active else ""
-            self.viewbar.show(self.view, len(active), worst)
+            self.viewbar.show(self.view, len(active), worst, self._filter_note(snap))
+            self.problems.show(snap.rows, snap.findings)
             self.findings.show(snap.findings, snap.findings_version)
             detail = self._detail_screen()
             if detail is not None:
@@ -272,22 +295,49 @@ class WatchApp(App[None]):
             else:
                 self._apply_rows(snap)
 
-    def _apply_rows(self, snap: Snapshot) -> None:
+    def _filter_note(self, snap: Snapshot) -> str:
+        if self.rank_filter.empty:
+            return ""
+        kept = len(self._kept_rows(snap))
+        return f"/ {self.rank_filter.text}: {kept} of {len(snap.rows)} ranks (esc: all)"
+
+    def _kept_rows(self, snap: Snapshot) -> list[RankRow]:
+        self._order_rows(snap)
+        return self._kept
+
+    def _order_rows(self, snap: Snapshot) -> list[RankRow]:
         table = self.ranks
-        ordered = order_rows(snap.rows, table.sort_column, table.sort_reverse)
+        key = (snap.seq, id(snap.rows), self.rank_filter, table.sort_column, table.sort_reverse)
+        if key != self._ordered_key:
+            self._kept = self.rank_filter.apply(snap.rows)
+            self._ordered = order_rows(self._kept, table.sort_column, table.sort_reverse)
+            self._ordered_key = key
+        return self._ordered
+
+    def _apply_rows(self, snap: Snapshot) -> None:
+        ordered = self._order_rows(snap)
+        key = self._ordered_key[:3]  # the set of rows: snapshot and filter, not their order
         self._order = [r.rank for r in ordered]
-        views: tuple[RowsView, ...] = (self.ranks, self.phases, self.steps, self.buckets)
+        views: tuple[RowsView[Any], ...] = (
+            self.ranks,
+            self.hosts,
+            self.phases,
+            self.steps,
+            self.buckets,
+        )
         focused = self.focused
         if isinstance(focused, RowsView) and focused.user_moved:
             # The view the user moves in is the truth, even before its message lands.
-            self.selected = focused.cursor_rank
+            self.selected = focused.selected_rank()
         for view in views:
             if not self._shown(view):
                 continue  # hidden views are not drawn; they catch up when shown
             if isinstance(view, BucketView):
-                view.set_matrix(snap.buckets, ordered)
+                view.set_matrix(snap.buckets, ordered, key)
+            elif isinstance(view, HostsView):
+                view.set_ranks(self._kept)
             else:
-                view.set_rows(ordered)
+                view.set_rows(ordered, key)
             view.follow(self.selected)
 
     def _notice_new_run(self, snap: Snapshot) -> None:
@@ -311,21 +361,25 @@ class WatchApp(App[None]):
         body = self.body
         body.set_class(wide, "-wide")
         body.set_class(dash, "-dash")
-        show = dict.fromkeys(("ranks", "phases", "lower", "steps", "buckets", "log"), False)
+        show = dict.fromkeys(
+            ("ranks", "hosts", "phases", "lower", "steps", "buckets", "log"), False
+        )
         if dash:
-            show["ranks"] = True
+            # The top panel: the hosts when that view was chosen, else the ranks.
+            show["hosts" if view == "hosts" else "ranks"] = True
             if view == "log":
                 show["log"] = True
             else:
                 show.update(phases=True, lower=True, steps=True, buckets=True)
         elif view in ("steps", "buckets"):
             show.update({"lower": True, view: True})
-        elif view in ("ranks", "log", "phases"):
+        elif view in ("ranks", "hosts", "log", "phases"):
             show[view] = True
         else:  # findings: beside the ranks when wide, alone when narrow
             show["ranks"] = wide
         panels: dict[str, Widget] = {
             "ranks": self.ranks,
+            "hosts": self.hosts,
             "phases": self.phases,
             "lower": self.lower,
             "steps": self.steps,
@@ -338,24 +392,29 @@ class WatchApp(App[None]):
         findings = self.findings
         findings.set_class(view == "findings" and not wide, "-full")
         findings.set_compact(not wide and view != "findings")
+        self.problems.limit = 3 if wide else 2
 
     # --- actions -----------------------------------------------------------------------
 
     def action_view(self, name: str) -> None:
         self.view = name
         self._layout()
-        target: Widget = {
+        self._view_widget(name).focus()
+        if self.snapshot is not None:
+            self._apply()
+        self._pull()
+
+    def _view_widget(self, name: str) -> Widget:
+        widgets: dict[str, Widget] = {
             "ranks": self.ranks,
+            "hosts": self.hosts,
             "phases": self.phases,
             "steps": self.steps,
             "buckets": self.buckets,
             "findings": self.findings,
             "log": self.log_view,
-        }[name]
-        target.focus()
-        if self.snapshot is not None:
-            self._apply()
-        self._pull()
+        }
+        return widgets[name]
 
     def on_view_chosen(self, message: ViewChosen) -> None:
         self.action_view(message.view)
@@ -388,13 +447,53 @@ class WatchApp(App[None]):
     def action_metric(self) -> None:
         self.steps.toggle_metric()
 
+    # --- the filter ----------------------------------------------------------------
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # The filter belongs to the main screen's views, not to the rank detail or help;
+        # "Clear filter" is in the keys line (and escape means it) only while one is set.
+        if action == "filter":
+            return len(self.screen_stack) <= 1
+        if action == "clear_filter":
+            return len(self.screen_stack) <= 1 and not self.rank_filter.empty
+        return True
+
+    def action_filter(self) -> None:
+        # The prompt takes the keys line's place: the same height, so nothing
+        # else moves and no view is redrawn for it.
+        self.keys_line.display = False
+        self.filter_prompt.open(self.rank_filter.text)
+
+    def on_filter_chosen(self, message: FilterChosen) -> None:
+        self.keys_line.display = True
+        self.set_filter(message.text)
+
+    def on_filter_cancelled(self, message: FilterCancelled) -> None:
+        self.keys_line.display = True
+        self._focus_view()
+
+    def action_clear_filter(self) -> None:
+        self.set_filter("")
+
+    def set_filter(self, text: str) -> None:
+        """Show only the ranks ``text`` names (see ddpscope.ui.rankfilter); "" shows all."""
+        self.rank_filter = parse(text)
+        self.refresh_bindings()
+        self._focus_view()
+        if self.snapshot is not None:
+            self._apply()
+
+    def _focus_view(self) -> None:
+        if self.view in ("ranks", "hosts", "phases", "steps", "buckets"):
+            self._view_widget(self.view).focus()
+
     def _target_rank(self) -> int | None:
         detail = self._detail_screen()
         if detail is not None:
             return detail.rank
         focused = self.focused
         view = focused if isinstance(focused, RowsView) else self.ranks
-        return view.cursor_rank
+        return view.selected_rank()
 
     def action_stacks(self) -> None:
         rank = self._target_rank()

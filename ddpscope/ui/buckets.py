@@ -23,7 +23,7 @@ RAMP = ("#4e4e4e", "#2e7d32", "#9e9d24", "#f9a825", "#ef6c00", "#e53935")
 FLOOR = 0.05
 
 
-class BucketView(RowsView):
+class BucketView(RowsView[RankRow]):
     RANK_W = 5
     MAX_W = 7
 
@@ -34,11 +34,14 @@ class BucketView(RowsView):
         self.worst = 0.0
         self._ramp = tuple(Style(color=c) for c in RAMP)
 
-    def set_matrix(self, matrix: BucketMatrix | None, rows: Sequence[RankRow]) -> None:
-        self.matrix = matrix
-        self._by_rank = dict(zip(matrix.ranks, matrix.wait_ms, strict=True)) if matrix else {}
-        self.worst = max((max(w, default=0.0) for w in self._by_rank.values()), default=0.0)
-        self.set_rows(rows)
+    def set_matrix(
+        self, matrix: BucketMatrix | None, rows: Sequence[RankRow], key: object = None
+    ) -> None:
+        if matrix is not self.matrix or not self._by_rank:  # the same one: a key, not a snapshot
+            self.matrix = matrix
+            self._by_rank = dict(zip(matrix.ranks, matrix.wait_ms, strict=True)) if matrix else {}
+            self.worst = max((max(w, default=0.0) for w in self._by_rank.values()), default=0.0)
+        self.set_rows(rows, key)
 
     def cell_width(self) -> int:
         n = len(self.matrix.buckets) if self.matrix else 1

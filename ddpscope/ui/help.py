@@ -16,12 +16,23 @@ KEYS = (
     ("space", "pause / resume the display (telemetry is still taken in)"),
     ("?  esc", "this help / close it"),
     ("1 2 3 4 5 6", "views: ranks, step time, buckets, findings, job log, phases"),
+    (
+        "7",
+        "hosts: one line per host with the worst of its ranks, problem hosts first; "
+        "enter opens a host (its ranks under it) or closes it",
+    ),
     ("↑ ↓ pgup pgdn", "move between ranks, home/end: first/last (the views share one cursor)"),
     ("enter", "rank detail: phase history, sampler, fingerprint, Python stacks"),
     ("s", "ask the highlighted rank for fresh Python stacks (answers even when hung)"),
     ("< >", "sort the ranks by the previous / next column (or click a header)"),
     ("r", "reverse the sort"),
     ("m", "step-time view: busy time (step minus collective waits) or step time"),
+    (
+        "/",
+        "filter the rank views: ranks 12, ranges 100-200, a part of a host name (node07), "
+        "a badge (straggler); several terms keep what any matches; enter applies, empty shows all",
+    ),
+    ("esc", "clear the filter (shown below while one is set)"),
     ("tab", "move focus between panels"),
 )
 
@@ -66,7 +77,9 @@ COLUMNS = (
 BADGES = (
     "Status badges: ok, exited; a finding's kind (straggler, hang, ...) when a finding singles "
     "the rank out; silent (nothing for 5 s), no data (never heard from), disabled (ddpscope "
-    "turned itself off on that rank). Problem ranks sort first."
+    "turned itself off on that rank). Problem ranks sort first. The red strip under the views' "
+    "names lists them by kind with their hosts, whatever the table shows; a run with none has no "
+    "strip."
 )
 
 

@@ -46,3 +46,15 @@ class ViewChosen(Message):
     """A click on a view's name in the view bar."""
 
     view: str
+
+
+@dataclass
+class FilterChosen(Message):
+    """The filter bar was submitted (``text`` empty: show every rank)."""
+
+    text: str
+
+
+@dataclass
+class FilterCancelled(Message):
+    """The filter bar was left with escape: keep the filter as it was."""

@@ -53,18 +53,21 @@ def bar_cells(row: RankRow, scale_ms: float, width: int) -> list[tuple[int, int]
     return out
 
 
-class PhaseBars(RowsView):
+class PhaseBars(RowsView[RankRow]):
     RANK_W = 5
     MS_W = 7
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.scale_ms = 0.0
+        self._scale_key: object = None
         self._colours = tuple(Style(color=c) for _, _, c, _ in SEGMENTS)
 
-    def set_rows(self, rows: Sequence[RankRow]) -> None:
-        self.scale_ms = max((r.step_ms for r in rows), default=0.0)
-        super().set_rows(rows)
+    def set_rows(self, rows: Sequence[RankRow], key: object = None) -> None:
+        if key is None or key != self._scale_key:
+            self.scale_ms = max((r.step_ms for r in rows), default=0.0)
+            self._scale_key = key
+        super().set_rows(rows, key)
 
     def bar_width(self) -> int:
         return max(10, self.view_width - self.RANK_W - 1 - self.MS_W - 1)

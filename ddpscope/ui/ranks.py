@@ -98,7 +98,7 @@ def order_rows(rows: Sequence[RankRow], column: str, reverse: bool) -> list[Rank
     return sorted(tie, key=col.sort, reverse=col.descending != reverse)
 
 
-class RanksTable(RowsView):
+class RanksTable(RowsView[RankRow]):
     """Sort with ``<``/``>`` (column) and ``r`` (direction), or click a header."""
 
     DEFAULT_CSS = """
@@ -113,10 +113,13 @@ class RanksTable(RowsView):
         self.sort_column = "status"
         self.sort_reverse = False
         self.columns: tuple[Column, ...] = shown_columns(())
+        self._columns_key: object = None
 
-    def set_rows(self, rows: Sequence[RankRow]) -> None:
-        self.columns = shown_columns(rows)
-        super().set_rows(rows)
+    def set_rows(self, rows: Sequence[RankRow], key: object = None) -> None:
+        if key is None or key != self._columns_key:
+            self.columns = shown_columns(rows)
+            self._columns_key = key
+        super().set_rows(rows, key)
 
     def content_width(self) -> int:
         return sum(c.width + 1 for c in self.columns)

@@ -13,6 +13,7 @@ position, so a re-sort never moves it to another rank.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Generic, Protocol, TypeVar
 
 from rich.segment import Segment
 from rich.style import Style
@@ -22,8 +23,22 @@ from textual.geometry import Size
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ddpscope.analysis.snapshot import ERROR, INFO, OK, WARNING, RankRow
+from ddpscope.analysis.snapshot import ERROR, INFO, OK, WARNING
 from ddpscope.ui.messages import RankChosen, RankHighlighted
+
+
+class Line(Protocol):
+    """What a view needs of each line it draws: a key the cursor follows (a rank,
+    or a negative number for lines that are not ranks) and a status level."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def level(self) -> int: ...
+
+
+RowT = TypeVar("RowT", bound=Line)
 
 LEVEL_CLASS = {
     OK: "rows--ok",
@@ -40,7 +55,7 @@ def cell(text: str, width: int, style: Style, right: bool = False) -> Segment:
     return Segment(body + " ", style)
 
 
-class RowsView(ScrollView, can_focus=True):
+class RowsView(ScrollView, Generic[RowT], can_focus=True):
     """Rows in the order the app chose (problem ranks first, or the user's sort)."""
 
     BINDINGS = [
@@ -80,7 +95,7 @@ class RowsView(ScrollView, can_focus=True):
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
-        self.rows: tuple[RankRow, ...] = ()
+        self.rows: tuple[RowT, ...] = ()
         self._index: dict[int, int] = {}
         self.cursor_rank: int | None = None
         # Until the user picks a rank, the cursor stays on the first row: the
@@ -104,13 +119,18 @@ class RowsView(ScrollView, can_focus=True):
     def header_segments(self) -> list[Segment]:
         raise NotImplementedError
 
-    def row_segments(self, row: RankRow) -> list[Segment]:
+    def row_segments(self, row: RowT) -> list[Segment]:
         raise NotImplementedError
 
     # --- data ------------------------------------------------------------------
 
-    def set_rows(self, rows: Sequence[RankRow]) -> None:
-        """New rows, already in display order. Cheap: nothing is drawn here."""
+    def set_rows(self, rows: Sequence[RowT], key: object = None) -> None:
+        """New rows, already in display order. Cheap: nothing is drawn here.
+
+        ``key`` names the set of rows, whatever their order (the snapshot and the
+        filter): views that sum up every row (a scale, the columns in use) skip
+        that while it is unchanged, so a re-sort costs a sort. None: always sum.
+        """
         self.rows = tuple(rows)
         self._index = {row.rank: i for i, row in enumerate(self.rows)}
         self._lines.clear()
@@ -200,7 +220,15 @@ class RowsView(ScrollView, can_focus=True):
         self.scroll_to_cursor()
         self.refresh()
         if changed:
-            self.post_message(RankHighlighted(rank))
+            self.announce(rank)
+
+    def announce(self, key: int) -> None:
+        """The cursor moved to the line keyed ``key`` (a rank here)."""
+        self.post_message(RankHighlighted(key))
+
+    def selected_rank(self) -> int | None:
+        """The rank the cursor stands for, which every other view then follows."""
+        return self.cursor_rank
 
     def follow(self, rank: int | None) -> None:
         """Put the cursor on ``rank`` (another view moved it) without announcing it."""

@@ -16,6 +16,7 @@ VIEWS: tuple[tuple[str, str, str], ...] = (
     ("findings", "4", "Findings"),
     ("log", "5", "Job log"),
     ("phases", "6", "Phases"),
+    ("hosts", "7", "Hosts"),
 )
 
 
@@ -31,10 +32,16 @@ class ViewBar(Static):
         self.worst = ""
         self._spans: list[tuple[int, int, str]] = []
         self._last = ""
+        self.note = ""
 
-    def show(self, current: str, findings: int, worst: str) -> None:
-        self.current, self.findings, self.worst = current, findings, worst
+    def show(self, current: str, findings: int, worst: str, note: str = "") -> None:
+        """``note``: the active filter, said after the views ("" when none)."""
+        self.current, self.findings, self.worst, self.note = current, findings, worst, note
         text = Text(no_wrap=True, overflow="ellipsis")
+        if note:
+            # First, so that 80 columns never cut it off.
+            text.append(f" {note} ", "bold reverse cyan")
+            text.append(" ")
         self._spans = []
         for name, key, label in VIEWS:
             if name == "findings" and findings:
@@ -45,7 +52,6 @@ class ViewBar(Static):
             finding_style = {"error": "bold red", "warning": "bold yellow"}.get(worst, "")
             text.append(f"{label} ", style or (finding_style if name == "findings" else ""))
             self._spans.append((start, len(text), name))
-            text.append(" ")
         key = text.plain + current
         if key != self._last:
             self._last = key

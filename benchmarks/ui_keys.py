@@ -1,0 +1,177 @@
+"""How fast does the watch UI answer keys at 1,024 and 4,096 ranks? The real app, its Pilot.
+
+For each world size: a cluster-sized synthetic run (tests/cluster.py: 8 ranks
+per host, a straggler and a hung rank), fed to a Monitor through the
+snapshot-source seam. The snapshots are built once per kind up front (live,
+the ingest thread builds them, never the UI's thread), so what is timed is
+the UI's own work on its thread: the key's handler, applying the snapshot
+(filter, sort, grouping), drawing what changed and turning it into terminal
+output. Time runs from the key press to the last frame that key caused
+(``App._display``, including rendering the frame's segments the way a
+real terminal gets them); the app's own pull timer is off so that no other
+work falls in the window.
+
+    python benchmarks/ui_keys.py                       # 1,024 and 4,096 ranks, 200x50
+    python benchmarks/ui_keys.py --worlds 4096 --size 120x40 --repeat 20
+
+Prints a Markdown table (and JSON with --json): per key, median and the
+spread (min, 90th percentile, max) in ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from cluster import Prebuilt, cluster_run, source  # noqa: E402
+from table import print_rows  # noqa: E402  (benchmarks/table.py)
+from textual.app import App  # noqa: E402
+from textual.pilot import Pilot  # noqa: E402
+
+from ddpscope.analysis.detectors.liveness import HangDetector  # noqa: E402
+from ddpscope.analysis.detectors.straggler import StragglerDetector  # noqa: E402
+from ddpscope.ui.app import WatchApp, build_app  # noqa: E402
+
+#: (label, keys pressed first and not timed, the timed key). Each returns the
+#: app to a state the next one can start from.
+KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("down (move the cursor)", (), "down"),
+    ("up", (), "up"),
+    ("7 (hosts view)", (), "7"),
+    ("enter (open a host)", (), "enter"),
+    ("enter (close it)", (), "enter"),
+    ("1 (ranks view)", (), "1"),
+    ("> (sort by next column)", (), "greater_than_sign"),
+    ("< (sort back)", (), "less_than_sign"),
+    ("r (reverse the sort)", (), "r"),
+    ("r (back)", (), "r"),
+    ("space (pause)", (), "space"),
+    ("space (resume)", (), "space"),
+    ("/ (open the filter)", (), "slash"),
+    ("enter (apply 'node17')", tuple("node17"), "enter"),
+    ("esc (clear the filter)", (), "escape"),
+)
+
+
+def frames(app: App[Any]) -> list[tuple[float, float]]:
+    """(wall, CPU) times at which the app finished a frame, terminal output included."""
+    stamps: list[tuple[float, float]] = []
+    original = app._display
+
+    def display(screen: Any, renderable: Any) -> None:
+        original(screen, renderable)
+        if renderable is not None and hasattr(renderable, "render_segments"):
+            renderable.render_segments(app.console)
+        stamps.append((time.perf_counter(), time.process_time()))
+
+    app._display = display  # type: ignore[method-assign]
+    return stamps
+
+
+async def _press(
+    pilot: Pilot[None], stamps: list[tuple[float, float]], key: str
+) -> tuple[float, float]:
+    """Wall and CPU ms from the key press to the last frame it caused."""
+    stamps.clear()
+    start, cpu = time.perf_counter(), time.process_time()
+    await pilot.press(key)
+    await pilot.pause()  # until idle; the last frame drawn is when the key was answered
+    if not stamps:
+        return float("nan"), float("nan")
+    wall_end, cpu_end = stamps[-1]
+    return (wall_end - start) * 1000, (cpu_end - cpu) * 1000
+
+
+def measure(world: int, size: tuple[int, int], repeat: int) -> dict[str, Any]:
+    t = time.perf_counter()
+    feed = source(cluster_run(world, slow=world // 3, hang=2 * world // 3),
+                  [StragglerDetector(), HangDetector()])  # fmt: skip
+    built_s = time.perf_counter() - t
+    src = Prebuilt(feed)
+    app: WatchApp = build_app(src, pull_s=3600.0)
+    times: dict[str, list[float]] = {label: [] for label, _, _ in KEYS}
+    cpu: dict[str, list[float]] = {label: [] for label, _, _ in KEYS}
+
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            stamps = frames(app)
+            # Every kind of snapshot built once (the 1/7/2/3 views ask for different ones).
+            for key in ("2", "3", "7", "1"):
+                await pilot.press(key)
+                await pilot.pause()
+            gc.collect()
+            gc.freeze()  # as the watcher does after each snapshot (docs/benchmarks.md)
+            for _ in range(repeat):
+                for label, before, key in KEYS:
+                    if before:
+                        await pilot.press(*before)
+                        await pilot.pause()
+                    wall, used = await _press(pilot, stamps, key)
+                    times[label].append(wall)
+                    cpu[label].append(used)
+
+    asyncio.run(main())
+    return {
+        "world": world,
+        "size": f"{size[0]}x{size[1]}",
+        "build_s": built_s,
+        "times": times,
+        "cpu": cpu,
+    }
+
+
+def _q(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _row(world: int, label: str, wall: list[float], cpu: list[float]) -> dict[str, str]:
+    return {
+        "Ranks": f"{world:,}",
+        "Key": label,
+        "Median ms": f"**{statistics.median(wall):.0f}**",
+        "Min / p90 / max ms": f"{min(wall):.0f} / {_q(wall, 0.9):.0f} / {max(wall):.0f}",
+        "CPU ms median / max": f"{statistics.median(cpu):.0f} / {max(cpu):.0f}",
+    }
+
+
+def rows_of(result: dict[str, Any]) -> list[dict[str, str]]:
+    world = result["world"]
+    out = []
+    every: list[float] = []
+    every_cpu: list[float] = []
+    for label, values in result["times"].items():
+        every += values
+        every_cpu += result["cpu"][label]
+        out.append(_row(world, label, values, result["cpu"][label]))
+    out.append(_row(world, f"all keys ({len(every)} presses)", every, every_cpu))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--size", default="200x50", help="terminal COLSxROWS")
+    parser.add_argument("--repeat", type=int, default=15, help="presses of each key")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cols, rows = (int(v) for v in args.size.split("x"))
+    results = [measure(w, (cols, rows), args.repeat) for w in args.worlds]
+    if args.json:
+        print(json.dumps(results, indent=1))
+        return
+    print_rows([r for res in results for r in rows_of(res)])
+
+
+if __name__ == "__main__":
+    main()
