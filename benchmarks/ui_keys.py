@@ -1,6 +1,6 @@
 """How fast does the watch UI answer keys at 1,024 and 4,096 ranks? The real app, its Pilot.
 
-For each world size: a cluster-sized synthetic run (tests/cluster.py: 8 ranks
+For each world size: a cluster-sized synthetic run (tests/support/cluster.py: 8 ranks
 per host, a straggler and a hung rank), fed to a Monitor through the
 snapshot-source seam. The snapshots are built once per kind up front (live,
 the ingest thread builds them, never the UI's thread), so what is timed is
@@ -11,8 +11,8 @@ output. Time runs from the key press to the last frame that key caused
 real terminal gets them); the app's own pull timer is off so that no other
 work falls in the window.
 
-    python benchmarks/ui_keys.py                       # 1,024 and 4,096 ranks, 200x50
-    python benchmarks/ui_keys.py --worlds 4096 --size 120x40 --repeat 20
+    python -m benchmarks.ui_keys                       # 1,024 and 4,096 ranks, 200x50
+    python -m benchmarks.ui_keys --worlds 4096 --size 120x40 --repeat 20
 
 Prints a Markdown table (and JSON with --json): per key, median and the
 spread (min, 90th percentile, max) in ms.
@@ -25,22 +25,17 @@ import asyncio
 import gc
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+from textual.app import App
+from textual.pilot import Pilot
 
-from cluster import Prebuilt, cluster_run, source  # noqa: E402
-from table import print_rows  # noqa: E402  (benchmarks/table.py)
-from textual.app import App  # noqa: E402
-from textual.pilot import Pilot  # noqa: E402
-
-from ddpscope.analysis.detectors.liveness import HangDetector  # noqa: E402
-from ddpscope.analysis.detectors.straggler import StragglerDetector  # noqa: E402
-from ddpscope.ui.app import WatchApp, build_app  # noqa: E402
+from benchmarks.table import print_rows
+from ddpscope.analysis.detectors.liveness import HangDetector
+from ddpscope.analysis.detectors.straggler import StragglerDetector
+from ddpscope.ui.app import WatchApp, build_app
+from tests.support.cluster import Prebuilt, cluster_run, source
 
 #: (label, keys pressed first and not timed, the timed key). Each returns the
 #: app to a state the next one can start from.

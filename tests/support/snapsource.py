@@ -35,8 +35,12 @@ class MonitorSource:
     received: int = 0
     endpoint: str = "synthetic"
     requests: list[tuple[str, int]] = field(default_factory=list)
+    #: Tick the detectors each time message time passes this many ns (0: once
+    #: per send), as the live watcher ticks them, so that a stall over time is seen.
+    tick_every_ns: int = 0
     _listener: Callable[[Snapshot], None] | None = None
     _seq: dict[tuple[str, int], int] = field(default_factory=dict)
+    _next_tick: int | None = None
 
     @classmethod
     def of(
@@ -45,6 +49,7 @@ class MonitorSource:
         detectors: Iterable[Detector] = (),
         clock: FrozenClock | None = None,
         follow: bool | None = None,
+        tick_every_ns: int = 0,
     ) -> MonitorSource:
         """A source holding ``msgs``, the detectors ticked once after them.
 
@@ -55,7 +60,8 @@ class MonitorSource:
         """
         follow = clock is None if follow is None else follow
         frozen = clock if clock is not None else FrozenClock(mono=0, wall=WALL0_NS)
-        source = cls(Monitor(list(detectors), clock=frozen, measure_lag=False), frozen, follow)
+        monitor = Monitor(list(detectors), clock=frozen, measure_lag=False)
+        source = cls(monitor, frozen, follow, tick_every_ns=tick_every_ns)
         source.send(msgs)
         return source
 
@@ -63,6 +69,8 @@ class MonitorSource:
         """Receive ``msgs`` in order, with per-rank sequence numbers as a
         publisher assigns them, then tick the detectors once."""
         for m in msgs:
+            if self.tick_every_ns:
+                self._tick_until(m.t)
             key = (m.run, m.rank)
             n = self._seq.get(key, 0)
             self._seq[key] = n + 1
@@ -71,6 +79,15 @@ class MonitorSource:
             self.monitor.take(dataclasses.replace(m, seq=n), m.t if self.follow else None)
             self.received += 1
         self.monitor.tick()
+
+    def _tick_until(self, t: int) -> None:
+        if self._next_tick is None:
+            self._next_tick = t + self.tick_every_ns
+        while t >= self._next_tick:
+            if self._next_tick > self.clock.mono:
+                self.clock.advance_ns(self._next_tick - self.clock.mono)
+            self.monitor.tick()
+            self._next_tick += self.tick_every_ns
 
     def listen(self, listener: Callable[[Snapshot], None] | None) -> None:
         self._listener = listener

@@ -1,7 +1,7 @@
 """The watch UI at cluster scale: hosts view, problem strip and filter, at 4,096 ranks.
 
 The app is the real one, driven by its Pilot through the snapshot-source
-seam (tests/cluster.py over tests/snapsource.py): 4,096 ranks on 512 hosts
+seam (tests/support/cluster.py over tests/support/snapsource.py): 4,096 ranks on 512 hosts
 of 8, rank 1365 (on node170) a straggler found by the straggler detector,
 then rank 2730 (on node341) hung in its forward while every other rank
 waits in the all-reduce, found by the hang detector. What the tests read is
@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
-from cluster import Prebuilt, cluster_run, host_of, source
 from textual.pilot import Pilot
 
 from ddpscope.analysis.detectors.liveness import HangDetector
@@ -25,6 +24,7 @@ from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.hosts import HostLine
 from ddpscope.ui.rankfilter import parse
+from tests.support.cluster import Prebuilt, cluster_run, host_of, source
 
 WORLD = 4096
 SLOW, HUNG = 1365, 2730

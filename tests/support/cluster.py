@@ -2,7 +2,7 @@
 
 :func:`cluster_run` lays ranks out as a real multi-node job does (``per_host``
 ranks per host, named ``node000``...), runs them in lockstep
-(tests/synth.py), optionally with a straggler (one rank's data loading
+(tests.support.synth), optionally with a straggler (one rank's data loading
 grows by 100 ms) and a hang (one rank stops in its forward; every other rank then
 sits in the gradient all-reduce, heartbeats still coming). :func:`source`
 feeds it to a Monitor through the snapshot-source seam, ticking the
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from snapsource import Frozen, MonitorSource
-from synth import MS, constant, heartbeat, lockstep, run_info, sequenced, straggler
-
-from ddpscope.analysis.engine import Detector
-from ddpscope.analysis.monitor import FeedStats, Monitor
+from ddpscope.analysis.monitor import FeedStats
+from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import Snapshot, SnapshotRequest
 from ddpscope.schema import Message
+from tests.support.snapsource import MonitorSource
+from tests.support.synth import MS, constant, heartbeat, lockstep, run_info, straggler
 
 S = 1_000_000_000
 #: Detectors tick this often in message time (the live watcher ticks 4 times a second).
@@ -72,21 +71,8 @@ def cluster_run(
 
 def source(msgs: Iterable[Message], detectors: Iterable[Detector] = ()) -> MonitorSource:
     """A MonitorSource over ``msgs``, the detectors ticked every TICK_NS of message
-    time (MonitorSource.of ticks once, which a hang, a stall over time, needs more of)."""
-    ordered = sequenced(msgs)
-    clock = Frozen(mono=0, wall=0)
-    monitor = Monitor(list(detectors), clock=clock, measure_lag=False)
-    next_tick = ordered[0].t + TICK_NS
-    for m in ordered:
-        while m.t >= next_tick:
-            clock.mono = next_tick
-            monitor.tick()
-            next_tick += TICK_NS
-        monitor.take(m, m.t)
-    last = ordered[-1].t + MS
-    clock.mono, clock.wall = last, 1_700_000_000_000_000_000 + last
-    monitor.tick()
-    return MonitorSource(monitor, received=len(ordered))
+    time (once at the end is not enough for a hang, a stall over time)."""
+    return MonitorSource.of(msgs, detectors, tick_every_ns=TICK_NS)
 
 
 class Prebuilt:
