@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from rich.segment import Segment
 
+from ddpscope.analysis.hosts import HostGroup, busy_of, group_rows, wait_of
 from ddpscope.analysis.snapshot import RankRow
-from ddpscope.analysis.views import HostGroup, busy_of, group_rows, wait_of
 from ddpscope.ui import format as fmt
 from ddpscope.ui.messages import RankChosen
 from ddpscope.ui.rows import RowsView, cell

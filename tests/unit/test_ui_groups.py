@@ -18,8 +18,8 @@ from textual.pilot import Pilot
 
 from ddpscope.analysis.detectors.liveness import HangDetector
 from ddpscope.analysis.detectors.straggler import StragglerDetector
+from ddpscope.analysis.hosts import group_rows
 from ddpscope.analysis.snapshot import ERROR, OK, WARNING, RankRow
-from ddpscope.analysis.views import group_rows
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.hosts import HostLine
