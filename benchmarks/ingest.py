@@ -53,8 +53,8 @@ from synth import (  # noqa: E402
     straggler,
 )
 
-from ddpscope.analysis.detectors import default_detectors  # noqa: E402
-from ddpscope.analysis.detectors.liveness import HangDetector  # noqa: E402
+from ddpscope.analysis.build import default_detectors  # noqa: E402
+from ddpscope.analysis.detectors.hang import HangDetector  # noqa: E402
 from ddpscope.analysis.engine import Analysis  # noqa: E402
 from ddpscope.analysis.sources import replay  # noqa: E402
 from ddpscope.schema import Message, SamplerPass, SamplerPassEnd, Step  # noqa: E402

@@ -70,7 +70,7 @@ def test_module_does_not_import_forbidden_packages(module: str, forbidden: tuple
 def test_all_detectors_load_without_torch_or_textual() -> None:
     code = (
         "import sys\n"
-        "from ddpscope.analysis.detectors import default_detectors\n"
+        "from ddpscope.analysis.build import default_detectors\n"
         "default_detectors()\n"
         "print(','.join(m for m in ('torch', 'textual') if m in sys.modules))\n"
     )

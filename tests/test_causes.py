@@ -15,9 +15,10 @@ from synth import RUN, SITE_LOSS, constant, feed, findings, heartbeat, lockstep,
 from test_detect_sampling import WORLD, B, Sim, uneven_plans
 
 from ddpscope.analysis.causes import link_causes
-from ddpscope.analysis.detectors.liveness import HangDetector, RankExitDetector
-from ddpscope.analysis.detectors.recipe import CollectiveMismatchDetector
-from ddpscope.analysis.detectors.sampling import UnevenInputsDetector
+from ddpscope.analysis.detectors.hang import HangDetector
+from ddpscope.analysis.detectors.rank_exit import RankExitDetector
+from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector
+from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState

@@ -14,20 +14,18 @@ from typing import Any
 import pytest
 from synth import MS, RUN, constant, feed, findings, heartbeat, hparams, lockstep, run_infos
 
-from ddpscope.analysis.detectors.liveness import HangDetector
-from ddpscope.analysis.detectors.recipe import (
-    BatchNormDetector,
-    CheckpointDetector,
-    CollectiveMismatchDetector,
-    DataParallelDetector,
-    DeviceDetector,
-    GlobalBatchDetector,
-    ProcessGroupDetector,
-    blocked_in,
-    short_site,
-    training_setup,
-)
+from ddpscope.analysis.detectors.hang import HangDetector
+from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
+from ddpscope.analysis.detectors.recipe.checkpoint import CheckpointDetector
+from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector, blocked_in
+from ddpscope.analysis.detectors.recipe.common import short_site
+from ddpscope.analysis.detectors.recipe.dataparallel import DataParallelDetector
+from ddpscope.analysis.detectors.recipe.device import DeviceDetector
+from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
+from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
+from ddpscope.analysis.detectors.recipe.setup import training_setup
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.protocol import Mode
 from ddpscope.schema import (
     BatchInfo,
     Collectives,
@@ -485,7 +483,7 @@ def stuck_stream(
 
 def stuck_analysis(msgs: list[Message]) -> Analysis:
     return feed(
-        Analysis([HangDetector(hang_after_s=4), CollectiveMismatchDetector()]),
+        Analysis([HangDetector(Mode(hang_after_s=4)), CollectiveMismatchDetector()]),
         msgs,
         tick_every_ns=250 * MS,
     )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpscope.analysis.detectors import default_detectors
+from ddpscope.analysis.build import default_detectors
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "findings.md").read_text()
 KINDS = sorted({k for det in default_detectors() for k in det.kinds})

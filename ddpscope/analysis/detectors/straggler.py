@@ -85,6 +85,7 @@ from statistics import median
 from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import Message, Step
 
@@ -281,6 +282,7 @@ class StragglerDetector:
 
     def __init__(
         self,
+        mode: Mode = LIVE,
         *,
         window: int = 20,
         min_steps: int = 10,
@@ -295,6 +297,7 @@ class StragglerDetector:
         release: float = 1.15,
         evidence_every: int = 10,
     ) -> None:
+        self.mode = mode
         self.window = window
         self.min_steps = min_steps
         self.min_span_ns = int(min_span_s * 1e9)
@@ -308,6 +311,12 @@ class StragglerDetector:
         self.release = release
         self.evidence_every = evidence_every
         self._memos: dict[str, _Memo] = {}
+
+    def reset(self, run_id: str) -> None:
+        self._memos.pop(run_id, None)
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        self.tick(run, book)
 
     # --- Detector protocol -----------------------------------------------------
 
