@@ -21,12 +21,9 @@ from synth import (
     straggler,
 )
 
-from ddpscope.analysis.detectors.straggler import (
-    StragglerDetector,
-    bucket_waits,
-    median_without,
-)
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.waits import bucket_waits, median_without
 from ddpscope.schema import Message, Step
 
 #: A realistic step (~100 ms): the 20-step window then spans 2 s, above the 1 s floor.
