@@ -450,6 +450,8 @@ COLLECTIVE_OPS: tuple[str, ...] = (
     "scatter",
     "scatter_object_list",
 )
+#: Op name in ``Collectives`` counts for DDP forwards that broadcast the module's buffers.
+DDP_BUFFERS = "ddp_buffers"
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

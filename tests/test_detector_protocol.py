@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +243,15 @@ def test_no_detector_reads_files() -> None:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
         }
         assert "open" not in calls, path
+
+
+def test_the_engine_imports_no_detector() -> None:
+    code = (
+        "import sys, ddpscope.analysis.engine\n"
+        "print(' '.join(m for m in sys.modules if m.startswith('ddpscope.analysis.detectors')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
 
 
 def test_each_default_detector_lives_in_its_own_module() -> None:

@@ -40,10 +40,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from ddpscope.analysis.detectors.recipe.common import DDP_BUFFERS
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import ranks_phrase
+from ddpscope.schema import DDP_BUFFERS
 
 
 class Want(NamedTuple):

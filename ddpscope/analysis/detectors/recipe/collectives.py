@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpscope.analysis.detectors.recipe.common import DDP_BUFFERS, MAX_LISTED, op_text, short_site
+from ddpscope.analysis.detectors.recipe.common import MAX_LISTED, op_text, short_site
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.position import EXIT_REASONS, Where, where
 from ddpscope.analysis.protocol import LIVE, Mode
@@ -40,6 +40,7 @@ from ddpscope.analysis.state import RankView, RunState
 from ddpscope.analysis.wording import NS, cap, ranks_phrase
 from ddpscope.schema import (
     COLLECTIVE_OPS,
+    DDP_BUFFERS,
     WAITING_PHASES,
     Collectives,
     Heartbeat,

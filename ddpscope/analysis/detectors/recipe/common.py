@@ -5,10 +5,10 @@ Not a detector.
 
 from __future__ import annotations
 
+from ddpscope.schema import DDP_BUFFERS
+
 #: Sites and ranks listed one by one in evidence.
 MAX_LISTED = 16
-#: Op name the probe uses for DDP forwards that broadcast buffers (hooks.recipe.DDP_BUFFERS).
-DDP_BUFFERS = "ddp_buffers"
 
 
 def short_site(site: str) -> str:
