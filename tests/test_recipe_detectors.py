@@ -12,8 +12,20 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from synth import MS, RUN, constant, feed, findings, heartbeat, hparams, lockstep, run_infos
+from synth import (
+    MS,
+    RUN,
+    constant,
+    feed,
+    findings,
+    heartbeat,
+    hparams,
+    lockstep,
+    record,
+    run_infos,
+)
 
+from ddpscope.analysis import report
 from ddpscope.analysis.detectors.hang import HangDetector
 from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
 from ddpscope.analysis.detectors.recipe.checkpoint import CheckpointDetector
@@ -221,6 +233,16 @@ def test_a_primed_previous_run_is_compared_like_one_seen_live() -> None:
     analysis = settled(Analysis([det]), later)
     (f,) = findings(analysis, "global_batch")
     assert "from 2 to 1 ranks" in f.message
+
+
+def test_the_report_compares_with_the_previous_recording_of_the_script(tmp_path: Any) -> None:
+    # The detector reads no files: the report reads the earlier recording (analysis/prior.py).
+    record(tmp_path, setup_stream(2, 32, 0.05, run="a"), run="a")
+    later = [dataclasses.replace(m, t=m.t + 100 * S) for m in setup_stream(4, 32, 0.05, run="b")]
+    record(tmp_path, [started_at(m, WALL0 + 100 * S) for m in later], run="b")
+    analysis, _, _ = report.analyze(str(tmp_path), run_id="b")
+    (f,) = findings(analysis, "global_batch")
+    assert f.evidence["previous_run"] == "a" and "from 2 to 4 ranks" in f.message
 
 
 # --- checkpoints -------------------------------------------------------------------------

@@ -2,12 +2,14 @@
 
 The effective global batch (per-rank batch x world size x gradient
 accumulation) and the learning rate are summarised by
-:func:`training_setup` for report and UI headers. A finding only when a run
-of a script changes the world size, and with it the global batch, from the
-previous run of the same script while the learning rate stayed the same.
+:func:`training_setup` (recipe/setup.py) for report and UI headers. A
+finding only when a run of a script changes the world size, and with it the
+global batch, from the previous run of the same script while the learning
+rate stayed the same.
 The previous run is one this detector saw (a watcher that stayed up), or
-one primed with :meth:`GlobalBatchDetector.prime` (the report does this
-from the recording's directory).
+one primed with :meth:`GlobalBatchDetector.prime`: the report reads the
+previous run from the recording's directory (analysis/prior.py) and hands it
+over; this detector reads no files.
 
 From what the ranks' recipe probe (ddpscope/hooks/recipe.py) reports; no torch here.
 """
