@@ -18,11 +18,13 @@ from ddpscope.schema import WAITING_PHASES, Stacks
 
 #: End reasons that mean the process itself ended.
 EXIT_REASONS = frozenset({"exit", "exception"})
+#: A rank unheard for max(SILENCE_MIN_S, SILENCE_HEARTBEATS heartbeats) is silent.
 SILENCE_MIN_S = 5.0
 SILENCE_HEARTBEATS = 5
 #: Frames of a stack kept in evidence, and ranks listed one by one.
 STACK_FRAMES = 12
 WHERE_RANKS = 32
+#: Path parts of frames outside the user's code (a stack's "at" is the innermost other one).
 _LIBRARY_MARKERS = (
     "site-packages",
     "dist-packages",
@@ -186,6 +188,7 @@ def view_of(run: RunState, rank: int) -> RankView:
 
 
 def epoch_of(run: RunState, ranks: list[int]) -> int:
+    """The epoch of the first of ``ranks`` that completed a step, else -1."""
     for r in ranks:
         view = run.ranks.get(r)
         last = view.last_step if view is not None else None
