@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ddpscope.analysis.detectors import default_detectors
-from ddpscope.analysis.detectors.liveness import HangDetector
+from ddpscope.analysis.build import default_detectors
+from ddpscope.analysis.detectors.hang import HangDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.sources import replay
 from ddpscope.schema import Message, SamplerPass, SamplerPassEnd, Step

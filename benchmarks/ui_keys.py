@@ -32,7 +32,7 @@ from textual.app import App
 from textual.pilot import Pilot
 
 from benchmarks.table import print_rows
-from ddpscope.analysis.detectors.liveness import HangDetector
+from ddpscope.analysis.detectors.hang import HangDetector
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.ui.app import WatchApp, build_app
 from tests.support.cluster import Prebuilt, cluster_run, source

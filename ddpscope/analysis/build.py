@@ -15,18 +15,48 @@ from ddpscope.analysis.protocol import LIVE, Detector, Mode
 
 
 def default_detectors(mode: Mode = LIVE) -> list[Detector]:
-    """Every detector, set up for ``mode``."""
-    from ddpscope.analysis.detectors import default_detectors as every_detector
-    from ddpscope.analysis.detectors.liveness import HangDetector
+    """Every detector, built for ``mode``."""
+    # Imported here, not at the top: a watcher whose detector modules cannot be
+    # imported still starts (monitor.load_detectors) and says why.
+    from ddpscope.analysis.detectors.desync import DesyncDetector
+    from ddpscope.analysis.detectors.hang import HangDetector
+    from ddpscope.analysis.detectors.hparams import HyperparamDetector
+    from ddpscope.analysis.detectors.rank_exit import RankExitDetector
+    from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
+    from ddpscope.analysis.detectors.recipe.checkpoint import CheckpointDetector
+    from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector
+    from ddpscope.analysis.detectors.recipe.dataparallel import DataParallelDetector
+    from ddpscope.analysis.detectors.recipe.device import DeviceDetector
+    from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
+    from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
+    from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
+    from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
+    from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
+    from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
+    from ddpscope.analysis.detectors.straggler import StragglerDetector
     from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 
-    out = every_detector()
-    for det in out:
-        if isinstance(det, TelemetryDetector):
-            det.live = mode.live  # sequence gaps in files are unrecorded re-sends, not losses
-        if isinstance(det, HangDetector) and mode.hang_after_s is not None:
-            det.hang_after_s = mode.hang_after_s
-    return out
+    # The three sampling detectors attribute steps to passes the same way: one ledger.
+    ledgers = PassLedgers()
+    return [
+        StragglerDetector(mode),
+        DesyncDetector(mode),
+        HyperparamDetector(mode),
+        SetEpochDetector(mode, ledgers),
+        ShardingDetector(mode, ledgers),
+        UnevenInputsDetector(mode, ledgers),
+        HangDetector(mode),
+        RankExitDetector(mode),
+        TelemetryDetector(mode),
+        # After the hang detector: a collective mismatch names the pattern of its hang.
+        GlobalBatchDetector(mode),
+        CheckpointDetector(mode),
+        CollectiveMismatchDetector(mode),
+        DataParallelDetector(mode),
+        BatchNormDetector(mode),
+        ProcessGroupDetector(mode),
+        DeviceDetector(mode),
+    ]
 
 
 def build_analysis(
@@ -35,21 +65,13 @@ def build_analysis(
     history: int | None = None,
 ) -> Analysis:
     """An Analysis for ``mode``: the default detectors unless ``detectors`` is given
-    (tests and benchmarks pass their own, already set up)."""
+    (tests and benchmarks pass their own, built for the mode they test)."""
     dets = default_detectors(mode) if detectors is None else list(detectors)
-    analysis = Analysis(dets, history=history)
-    analysis.mode = mode
-    return analysis
+    return Analysis(dets, history=history, mode=mode)
 
 
 def end_of_stream(analysis: Analysis) -> None:
     """No more messages will come (every writer of a finished recording is gone):
-    the detectors look once more, knowing it."""
-    from ddpscope.analysis.detectors.liveness import RankExitDetector
-
+    the detectors look once more, knowing it (``Detector.finish``)."""
     analysis.mode = Mode("finished", analysis.mode.hang_after_s)
-    for det in analysis.detectors:
-        if isinstance(det, RankExitDetector):
-            det.stream_over = True
-    for run in analysis.runs.values():
-        analysis.tick(run.now_ns)
+    analysis.finish()

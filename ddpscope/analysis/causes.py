@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
+from ddpscope.analysis.wording import ranks_phrase
 from ddpscope.schema import DDP_BUFFERS
 
 
@@ -56,13 +57,6 @@ class Want(NamedTuple):
 
 Key = tuple[str, str]
 Rule = Callable[[RunState, FindingBook], dict[Key, Want]]
-
-
-def _plural(ranks: set[int] | list[int]) -> str:
-    items = sorted(ranks)
-    if len(items) == 1:
-        return f"rank {items[0]}"
-    return "ranks " + ", ".join(str(r) for r in items)
 
 
 def _ranks_of(evidence_map: object) -> set[int]:
@@ -102,9 +96,9 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
             )
             out[(c.kind, c.key)] = Want(
                 cause,
-                f"Caused by uneven_inputs (loader {loader}): {_plural(short)} ran out of batches "
-                f"first, so {_plural(named)}'s {what} that the others never run; it is not a "
-                "collective issued on some ranks by the script.",
+                f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(short)} ran out of "
+                f"batches first, so {ranks_phrase(named)}'s {what} that the others never run; it "
+                "is not a collective issued on some ranks by the script.",
                 fix=fix,
             )
         _ran_out_mismatch(book, u, short, cause, loader, fix, out)
@@ -122,8 +116,8 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
                 (r.kind, r.key),
                 Want(
                     cause,
-                    f"Caused by uneven_inputs (loader {loader}): {_plural(set(r.ranks))} ran out "
-                    "of batches and finished while the others still had data.",
+                    f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(set(r.ranks))} "
+                    "ran out of batches and finished while the others still had data.",
                     fix=fix,
                 ),
             )
@@ -179,8 +173,8 @@ def _ran_out_mismatch(
             mismatch = True
             out[(c.kind, c.key)] = Want(
                 cause,
-                f"Caused by uneven_inputs (loader {loader}): {_plural(ranks & short)} ran out "
-                f"of batches and went on to the code after the loop, while {_plural(long_)} "
+                f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(ranks & short)} ran out "
+                f"of batches and went on to the code after the loop, while {ranks_phrase(long_)} "
                 f"still train{'s' if len(long_) == 1 else ''}: their collectives no longer "
                 "match.",
                 fix=fix,
@@ -201,9 +195,9 @@ def _ran_out_mismatch(
             mismatch = True
             out[(h.kind, h.key)] = Want(
                 cause,
-                f"Caused by uneven_inputs (loader {loader}): {_plural(ran_out)} ran out of "
+                f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(ran_out)} ran out of "
                 f"batches and wait{'s' if len(ran_out) == 1 else ''} in a collective after "
-                f"the loop that {_plural(long_)}, still training, never "
+                f"the loop that {ranks_phrase(long_)}, still training, never "
                 f"issue{'s' if len(long_) == 1 else ''}.",
                 fix=fix,
             )
@@ -219,7 +213,7 @@ def _ran_out_mismatch(
     ):
         out[(r.kind, r.key)] = Want(
             cause,
-            f"Caused by uneven_inputs (loader {loader}): {_plural(set(r.ranks))} failed after "
+            f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(set(r.ranks))} failed after "
             "the mismatch the uneven inputs caused (see hang): the collective timed out.",
             fix=fix,
         )
@@ -253,8 +247,8 @@ def crash_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
         if already and missing and missing <= gone and named and not named & gone:
             out[(c.kind, c.key)] = Want(
                 (r.kind, r.key),
-                f"Caused by rank_exit: {_plural(missing)} stopped (see rank_exit), so "
-                f"{_plural(named)} wait{'s' if len(named) == 1 else ''} in a collective for a "
+                f"Caused by rank_exit: {ranks_phrase(missing)} stopped (see rank_exit), so "
+                f"{ranks_phrase(named)} wait{'s' if len(named) == 1 else ''} in a collective for a "
                 "rank that is gone.",
                 fix=f"Fix the first failure: {r.fix}",
             )

@@ -2,7 +2,10 @@
 
 ``feed(msg, rx_ns)`` routes a message to its run (by run id) and lets every
 detector look at it; ``tick(now_ns)`` lets time-based detectors (hangs,
-silent ranks) look at the clock. Live and replay call the same two methods.
+silent ranks) look at the clock. Live and replay call the same two methods;
+``finish()`` once, when no more messages will come. The detectors come from
+the caller (analysis/build.py puts the usual set together): the engine knows
+only their protocol.
 """
 
 from __future__ import annotations
@@ -23,18 +26,18 @@ MAX_RUNS = 16
 
 
 class Analysis:
-    def __init__(self, detectors: Iterable[Detector] | None = None, history: int | None = 2048):
+    def __init__(
+        self, detectors: Iterable[Detector], history: int | None = 2048, mode: Mode = LIVE
+    ) -> None:
         self.history = history
-        #: Where the messages come from (analysis/build.py sets it).
-        self.mode: Mode = LIVE
+        #: Where the messages come from; the detectors were built for it.
+        self.mode = mode
         self.runs: dict[str, RunState] = {}
         self.books: dict[str, FindingBook] = {}
         self._order: list[str] = []
-        if detectors is None:
-            from ddpscope.analysis.detectors import default_detectors
-
-            detectors = default_detectors()
         self.detectors = list(detectors)
+        #: finish() was called: the stream is over.
+        self.finished = False
         #: Detector failures, by detector class name: a bug must not stop analysis.
         self.detector_errors: dict[str, str] = {}
         #: Messages every run refused, by reason, including those that would
@@ -100,7 +103,7 @@ class Analysis:
         self.runs_dropped += 1
         for det in self.detectors:
             try:
-                _forget(det, run_id)
+                det.reset(run_id)
             except Exception as exc:
                 self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
 
@@ -117,17 +120,18 @@ class Analysis:
             if book.version != book.linked_version:
                 self._link(run, book)
 
-
-def _forget(det: Detector, run_id: str) -> None:
-    forget = getattr(det, "forget", None)
-    if forget is not None:
-        forget(run_id)
-        return
-    # Detectors keep what they know of each run in dicts (or sets) keyed by its
-    # id. Without their own forget(), dropping those entries is what frees a
-    # dropped run; otherwise ever new run ids would still grow memory there.
-    for value in getattr(det, "__dict__", {}).values():
-        if isinstance(value, dict):
-            value.pop(run_id, None)
-        elif isinstance(value, set):
-            value.discard(run_id)
+    def finish(self) -> None:
+        """No more messages will come: every detector looks once more, knowing it."""
+        if self.finished:
+            return
+        self.finished = True
+        for run_id, run in self.runs.items():
+            book = self.books[run_id]
+            book.now_ns = run.now_ns
+            for det in self.detectors:
+                try:
+                    det.finish(run, book)
+                except Exception as exc:
+                    self.detector_errors[type(det).__name__] = f"{type(exc).__name__}: {exc}"
+            if book.version != book.linked_version:
+                self._link(run, book)

@@ -7,7 +7,7 @@ the builder and every detector can import it without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ddpscope.analysis.findings import FindingBook
@@ -33,6 +33,10 @@ class Mode:
     #: The user's hang limit (``--hang-after``), or None for the adaptive one.
     hang_after_s: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.hang_after_s is not None and self.hang_after_s <= 0:
+            raise ValueError("hang_after_s must be positive")
+
     @property
     def live(self) -> bool:
         return self.source == "live"
@@ -50,11 +54,18 @@ def recorded(finished: bool, hang_after_s: float | None = None) -> Mode:
     return Mode("finished" if finished else "growing", hang_after_s)
 
 
+@runtime_checkable
 class Detector(Protocol):
-    """One concern. Raises findings into the run's book; never raises itself."""
+    """One concern. Raises findings into the run's book; never raises itself.
+
+    Built with the analysis' mode (``XDetector(mode)``; ``LIVE`` when left
+    out), which it keeps: nothing sets a detector up from outside.
+    """
 
     #: Finding kinds this detector can raise.
     kinds: tuple[str, ...]
+    #: Where the messages come from, as given at construction.
+    mode: Mode
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         """Called after ``run`` took ``msg``."""
@@ -62,5 +73,10 @@ class Detector(Protocol):
     def tick(self, run: RunState, book: FindingBook) -> None:
         """Called periodically; ``run.now_ns`` is the current analysis time."""
 
-    # Optional, looked up with getattr: ``forget(run_id)`` drops what the
-    # detector keeps for a run the Analysis dropped (engine._forget).
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        """Called once when no more messages will come (every writer of a
+        recording is gone), as a last tick that knows it."""
+
+    def reset(self, run_id: str) -> None:
+        """Drop what is kept for ``run_id``: the analysis dropped that run (a
+        peer sending ever new run ids must not grow memory here)."""

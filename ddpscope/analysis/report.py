@@ -25,14 +25,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ddpscope.analysis.build import build_analysis, end_of_stream
-from ddpscope.analysis.detectors.liveness import error_line
-from ddpscope.analysis.detectors.recipe import prime_from_runs, training_setup
-from ddpscope.analysis.detectors.straggler import bucket_waits
+from ddpscope.analysis.detectors.recipe.setup import training_setup
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
+from ddpscope.analysis.prior import prime_from_runs
 from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.sources import replay_recording
-from ddpscope.analysis.state import NS, RankView, RunState
+from ddpscope.analysis.state import RankView, RunState
+from ddpscope.analysis.waits import bucket_waits
+from ddpscope.analysis.wording import NS, error_line
 from ddpscope.record.reader import Recording, RunDir, find_runs, open_run, writers_alive
 from ddpscope.schema import End, Heartbeat, RunInfo, Step
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ddpscope.analysis.detectors.liveness import ranks_text
 from ddpscope.analysis.evidence import EvidenceTable, layout, table_text
 from ddpscope.analysis.findings import SEVERITIES
 from ddpscope.analysis.report import SPLIT
+from ddpscope.analysis.wording import ranks_text
 
 
 def render_text(report: dict[str, Any]) -> str:

@@ -75,7 +75,7 @@ def test_module_does_not_import_forbidden_packages(module: str, forbidden: tuple
 def test_all_detectors_load_without_torch_or_textual() -> None:
     code = (
         "import sys\n"
-        "from ddpscope.analysis.detectors import default_detectors\n"
+        "from ddpscope.analysis.build import default_detectors\n"
         "default_detectors()\n"
         "print(','.join(m for m in ('torch', 'textual') if m in sys.modules))\n"
     )
@@ -115,30 +115,17 @@ def test_the_watch_command_builds_its_app_without_torch(tmp_path: object) -> Non
     assert "torch" not in _imported(code)
 
 
+def test_the_engine_imports_no_detector() -> None:
+    code = (
+        "import sys, ddpscope.analysis.engine\n"
+        "print(' '.join(m for m in sys.modules if m.startswith('ddpscope.analysis.detectors')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
 # --- the package's own shape -----------------------------------------------------------
 
-
-#: What the detector split (issue 16, in another branch) removes, allowed only until it
-#: lands: the import cycle between analysis/detectors/__init__.py and analysis/engine.py
-#: (either direction) and the long detector modules it splits. A test that meets one of
-#: these xfails and names it; anything else it finds fails. Lead: once the split is
-#: merged, delete this constant's entries (leave ``{}``); the tests must then pass.
-PENDING_DETECTOR_SPLIT: dict[str, frozenset[str]] = {
-    "import_edges": frozenset(
-        {
-            "ddpscope.analysis.detectors -> ddpscope.analysis.engine",
-            "ddpscope.analysis.engine -> ddpscope.analysis.detectors",
-        }
-    ),
-    "long_modules": frozenset(
-        {
-            "ddpscope/analysis/detectors/liveness.py",
-            "ddpscope/analysis/detectors/recipe.py",
-            "ddpscope/analysis/detectors/sampling.py",
-            "ddpscope/analysis/detectors/straggler.py",
-        }
-    ),
-}
 
 #: Lines (as ``wc -l`` counts them) a module may have without saying why at its top.
 LONG_MODULE_LINES = 600
@@ -251,12 +238,8 @@ def describe_cycles(graph: Graph, groups: list[list[str]], root: Path = ROOT) ->
 
 def test_the_import_graph_of_ddpscope_has_no_cycles() -> None:
     graph = import_graph()
-    pending = PENDING_DETECTOR_SPLIT.get("import_edges", frozenset())
-    cycles = import_cycles(graph, leave_out=pending)
+    cycles = import_cycles(graph)
     assert not cycles, describe_cycles(graph, cycles)
-    hidden = import_cycles(graph)
-    if hidden:
-        pytest.xfail("until the detector split lands:\n" + describe_cycles(graph, hidden))
 
 
 def _write_package(root: Path, files: dict[str, str]) -> None:
@@ -300,14 +283,13 @@ def long_module_reason(path: Path) -> str:
 
 
 def test_no_module_is_over_600_lines_without_a_reason_at_its_top() -> None:
-    pending = PENDING_DETECTOR_SPLIT.get("long_modules", frozenset())
-    unexplained, waiting, stale = [], [], []
+    unexplained, stale = [], []
     for path in _modules(ROOT, "ddpscope").values():
         rel = path.relative_to(ROOT).as_posix()
         lines = path.read_text().count("\n")
         reason = long_module_reason(path)
         if lines > LONG_MODULE_LINES and not reason:
-            (waiting if rel in pending else unexplained).append(f"{rel} ({lines} lines)")
+            unexplained.append(f"{rel} ({lines} lines)")
         elif reason and lines <= LONG_MODULE_LINES:
             stale.append(f"{rel} ({lines} lines)")
     assert not unexplained, (
@@ -315,5 +297,3 @@ def test_no_module_is_over_600_lines_without_a_reason_at_its_top() -> None:
         f"saying why (or split them): {unexplained}"
     )
     assert not stale, f"{LONG_MODULE_MARK!r} on modules no longer long; remove it: {stale}"
-    if waiting:
-        pytest.xfail(f"until the detector split lands: {waiting}")

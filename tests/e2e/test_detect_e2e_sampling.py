@@ -13,11 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ddpscope.analysis.detectors.sampling import (
-    SetEpochDetector,
-    ShardingDetector,
-    UnevenInputsDetector,
-)
+from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
+from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
+from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding, severity_at_least
 from ddpscope.analysis.protocol import Detector

@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from ddpscope.analysis.causes import link_causes
-from ddpscope.analysis.detectors.liveness import HangDetector, RankExitDetector
-from ddpscope.analysis.detectors.recipe import CollectiveMismatchDetector
-from ddpscope.analysis.detectors.sampling import UnevenInputsDetector
+from ddpscope.analysis.detectors.hang import HangDetector
+from ddpscope.analysis.detectors.rank_exit import RankExitDetector
+from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector
+from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ddpscope.analysis.detectors import default_detectors
+from ddpscope.analysis.build import default_detectors
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import severity_at_least
 from ddpscope.schema import End, Heartbeat, Message, Shutdown

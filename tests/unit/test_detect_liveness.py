@@ -11,15 +11,13 @@ from typing import Any
 
 import pytest
 
-from ddpscope.analysis.detectors.liveness import (
-    HANG_COLD_S,
-    HangDetector,
-    RankExitDetector,
-    error_line,
-    ranks_text,
-)
+from ddpscope.analysis.build import end_of_stream
+from ddpscope.analysis.detectors.hang import HANG_COLD_S, HangDetector
+from ddpscope.analysis.detectors.rank_exit import RankExitDetector
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.protocol import LIVE, Mode, recorded
+from ddpscope.analysis.wording import error_line, ranks_text
 from ddpscope.schema import End, Message, Stacks
 from tests.support.synth import (
     MS,
@@ -49,7 +47,7 @@ ValueError: batch 17 has NaN labels
 
 
 def detectors(**hang: Any) -> list[Any]:
-    return [HangDetector(**hang), RankExitDetector(), TelemetryDetector()]
+    return [HangDetector(Mode(**hang)), RankExitDetector(), TelemetryDetector()]
 
 
 def run_steps(world: int = 2, steps: int = 40, **kw: Any) -> list[Message]:
@@ -207,7 +205,7 @@ def test_hang_after_overrides_the_derived_limit() -> None:
     (f,) = kinds(analyze(hung_run(4), hang_after_s=2))["hang"]
     assert f.evidence["threshold_s"] == 2 and "hang-after" in f.evidence["threshold_rule"]
     with pytest.raises(ValueError):
-        HangDetector(hang_after_s=0)
+        HangDetector(Mode(hang_after_s=0))
 
 
 def test_hang_then_resume_is_kept_as_a_warning() -> None:
@@ -502,10 +500,7 @@ def killed_no_end() -> list[Message]:
 
 
 def finish(analysis: Analysis) -> Analysis:
-    for det in analysis.detectors:
-        if isinstance(det, RankExitDetector):
-            det.stream_over = True
-    analysis.tick(analysis.latest.now_ns)
+    end_of_stream(analysis)
     return analysis
 
 
@@ -659,7 +654,8 @@ def feed_with_gaps(msgs: list[Message], drop_every: int, live: bool = True) -> A
     """Feed with sequence numbers that skip one in ``drop_every`` (a lossy wire)."""
     import dataclasses
 
-    analysis = Analysis([TelemetryDetector(live=live)], history=2048)
+    mode = LIVE if live else recorded(finished=True)
+    analysis = Analysis([TelemetryDetector(mode)], history=2048, mode=mode)
     seq: dict[int, int] = {}
     for i, m in enumerate(sorted(msgs, key=lambda m: m.t)):
         n = seq.get(m.rank, 0) + (2 if drop_every and i % drop_every == drop_every - 1 else 1)

@@ -16,19 +16,15 @@ from typing import Any
 
 import pytest
 
-from ddpscope.analysis.detectors.sampling import (
-    UNION_BUDGET,
-    PassRec,
-    SetEpochDetector,
-    ShardingDetector,
-    UnevenInputsDetector,
-    _Union,
-    ledger_for,
-    mix64,
-)
+from ddpscope.analysis.detectors.sampling.ledger import PassRec
+from ddpscope.analysis.detectors.sampling.overlap import UNION_BUDGET, SketchUnion
+from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
+from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
+from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding
 from ddpscope.schema import End, Message, SamplerPass, SamplerPassEnd, Step
+from ddpscope.sketch import mix64
 from tests.support.synth import findings, heartbeat, run_infos
 
 RUN = "synth-run"
@@ -623,7 +619,7 @@ def test_sketches_with_different_moduli_compare_at_the_coarser_one() -> None:
     # Rank 0 kept i with mix % 4 == 0, rank 1 with mix % 16 == 0; the shards overlap
     # on [4000, 8000): half of each.
     shards = list(range(0, 8000)), list(range(4000, 12000))
-    union = _Union()
+    union = SketchUnion()
     for rank, (idx, mod) in enumerate(zip(shards, (4, 16), strict=True)):
         sim = Sim(WORLD, sketch_mod=mod)
         sim.begin(rank, 0, plain_plan(idx, 12000))
@@ -638,7 +634,7 @@ def test_sketches_with_different_moduli_compare_at_the_coarser_one() -> None:
 
 
 def test_union_memory_is_bounded_for_many_ranks() -> None:
-    union = _Union()
+    union = SketchUnion()
     mod = 1  # exact sketches: 64 ranks x 2048 points is twice the budget
     for r in range(64):
         idx = range(r * 2048, (r + 1) * 2048)
@@ -848,7 +844,7 @@ def test_uneven_iterable_datasets_are_confirmed_by_step_counts() -> None:
 
 
 def test_full_overlap_of_many_ranks_stays_within_the_budget() -> None:
-    union = _Union()
+    union = SketchUnion()
     sketch = list(range(1024))
     for r in range(256):  # every rank draws the same whole dataset
         begin = SamplerPass(
@@ -902,7 +898,7 @@ def test_a_restarted_worker_starts_its_pass_ids_again() -> None:
     analysis, _ = analyse(old.msgs + new.msgs)
     quiet(analysis)
     assert analysis.latest is not None
-    ledger = ledger_for(analysis.latest)
+    ledger = analysis.detectors[0].ledgers.of(analysis.latest.run_id)
     for r in range(WORLD):
         first = ledger.ranks[r].by_key[(0, 0)]
         assert first.begin is not None and first.begin.epoch == 2 and first.steps == 4

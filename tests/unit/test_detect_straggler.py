@@ -10,12 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpscope.analysis.detectors.straggler import (
-    StragglerDetector,
-    bucket_waits,
-    median_without,
-)
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.waits import bucket_waits, median_without
 from ddpscope.schema import Message, Step
 from tests.support.synth import (
     MS,

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ddpscope.analysis.build import build_analysis
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.protocol import LIVE
 from ddpscope.analysis.state import MAX_WORLD, RunState
 from ddpscope.schema import (
     MESSAGE_TYPES,
@@ -400,7 +402,7 @@ def test_decoded_hostile_values_never_break_the_default_detectors(data: st.DataO
         label="arrival clock",
     )
     for history in (2048, None):  # live (bounded) and report (unbounded) bookkeeping
-        analysis = Analysis(history=history)
+        analysis = build_analysis(LIVE, history=history)
         _feed(analysis, raw, clock)
         assert analysis.detector_errors == {}
         for run in analysis.runs.values():
@@ -426,7 +428,7 @@ def _assert_consistent(run: RunState, history: int | None) -> None:
 
 
 def test_an_unmutated_stream_feeds_every_kind_without_rejects() -> None:
-    analysis = Analysis()
+    analysis = build_analysis(LIVE, history=2048)
     assert _feed(analysis, [encode(m) for m in CORPUS], [MS]) == len(CORPUS)
     assert analysis.detector_errors == {}
     assert sum(analysis.rejected.values()) == 0
@@ -437,7 +439,7 @@ def test_an_unmutated_stream_feeds_every_kind_without_rejects() -> None:
 
 def test_loss_counters_that_cancel_the_received_count_are_refused() -> None:
     # Heartbeat.dropped_queue = -received made the telemetry detector divide by zero.
-    analysis = Analysis()
+    analysis = build_analysis(LIVE, history=2048)
     msgs = [m for m in CORPUS if m.rank == 0 and not isinstance(m, (End, Shutdown))]
     for m in msgs:
         analysis.feed(m, MS)

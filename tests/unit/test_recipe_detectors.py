@@ -13,20 +13,19 @@ from typing import Any
 
 import pytest
 
-from ddpscope.analysis.detectors.liveness import HangDetector
-from ddpscope.analysis.detectors.recipe import (
-    BatchNormDetector,
-    CheckpointDetector,
-    CollectiveMismatchDetector,
-    DataParallelDetector,
-    DeviceDetector,
-    GlobalBatchDetector,
-    ProcessGroupDetector,
-    blocked_in,
-    short_site,
-    training_setup,
-)
+from ddpscope.analysis import report
+from ddpscope.analysis.detectors.hang import HangDetector
+from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
+from ddpscope.analysis.detectors.recipe.checkpoint import CheckpointDetector
+from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector, blocked_in
+from ddpscope.analysis.detectors.recipe.common import short_site
+from ddpscope.analysis.detectors.recipe.dataparallel import DataParallelDetector
+from ddpscope.analysis.detectors.recipe.device import DeviceDetector
+from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
+from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
+from ddpscope.analysis.detectors.recipe.setup import training_setup
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.protocol import Mode
 from ddpscope.schema import (
     BatchInfo,
     Collectives,
@@ -51,6 +50,7 @@ from tests.support.synth import (
     heartbeat,
     hparams,
     lockstep,
+    record,
     run_infos,
 )
 
@@ -233,6 +233,16 @@ def test_a_primed_previous_run_is_compared_like_one_seen_live() -> None:
     analysis = settled(Analysis([det]), later)
     (f,) = findings(analysis, "global_batch")
     assert "from 2 to 1 ranks" in f.message
+
+
+def test_the_report_compares_with_the_previous_recording_of_the_script(tmp_path: Any) -> None:
+    # The detector reads no files: the report reads the earlier recording (analysis/prior.py).
+    record(tmp_path, setup_stream(2, 32, 0.05, run="a"), run="a")
+    later = [dataclasses.replace(m, t=m.t + 100 * S) for m in setup_stream(4, 32, 0.05, run="b")]
+    record(tmp_path, [started_at(m, WALL0 + 100 * S) for m in later], run="b")
+    analysis, _, _ = report.analyze(str(tmp_path), run_id="b")
+    (f,) = findings(analysis, "global_batch")
+    assert f.evidence["previous_run"] == "a" and "from 2 to 4 ranks" in f.message
 
 
 # --- checkpoints -------------------------------------------------------------------------
@@ -495,7 +505,7 @@ def stuck_stream(
 
 def stuck_analysis(msgs: list[Message]) -> Analysis:
     return feed(
-        Analysis([HangDetector(hang_after_s=4), CollectiveMismatchDetector()]),
+        Analysis([HangDetector(Mode(hang_after_s=4)), CollectiveMismatchDetector()]),
         msgs,
         tick_every_ns=250 * MS,
     )

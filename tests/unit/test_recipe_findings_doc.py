@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from ddpscope.analysis.detectors import default_detectors
+from ddpscope.analysis.build import default_detectors
 from tests.support.torchrun import ROOT
 
 DOC = (ROOT / "docs" / "findings.md").read_text()

@@ -388,7 +388,8 @@ def test_frames_of_torch_and_ddpscope_are_skipped_to_the_callers_site() -> None:
 
 def test_the_analysis_side_knows_the_same_operations_as_the_probe() -> None:
     # The analysis cannot import the probe (no torch there): both read the schema's list.
-    from ddpscope.analysis.detectors import recipe as judged
+    from ddpscope import schema
+    from ddpscope.analysis.detectors.recipe import collectives
 
-    assert frozenset(recipe.COLLECTIVE_OPS) == judged._COLLECTIVES
-    assert judged.DDP_BUFFERS == recipe.DDP_BUFFERS
+    assert frozenset(recipe.COLLECTIVE_OPS) == collectives._COLLECTIVES
+    assert schema.DDP_BUFFERS == recipe.DDP_BUFFERS

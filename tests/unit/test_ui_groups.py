@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from textual.pilot import Pilot
 
-from ddpscope.analysis.detectors.liveness import HangDetector
+from ddpscope.analysis.detectors.hang import HangDetector
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.hosts import group_rows
 from ddpscope.analysis.snapshot import ERROR, OK, WARNING, RankRow

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import End, Fingerprint, Message
 
@@ -144,8 +145,15 @@ def _broadcast_buffers(run: RunState) -> bool:
 class DesyncDetector:
     kinds: tuple[str, ...] = (KIND,)
 
-    def __init__(self) -> None:
+    def __init__(self, mode: Mode = LIVE) -> None:
+        self.mode = mode
         self._memos: dict[str, _Memo] = {}
+
+    def reset(self, run_id: str) -> None:
+        self._memos.pop(run_id, None)
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        self.tick(run, book)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if isinstance(msg, End):

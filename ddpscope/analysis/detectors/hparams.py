@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.schema import HParams, Message
 
@@ -116,9 +117,16 @@ class _Memo:
 class HyperparamDetector:
     kinds: tuple[str, ...] = (KIND,)
 
-    def __init__(self, margin: int = 2) -> None:
+    def __init__(self, mode: Mode = LIVE, margin: int = 2) -> None:
+        self.mode = mode
         self.margin = margin
         self._memos: dict[str, _Memo] = {}
+
+    def reset(self, run_id: str) -> None:
+        self._memos.pop(run_id, None)
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        self.tick(run, book)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, HParams):

@@ -77,15 +77,16 @@ of 300 steps on 2 and 8 ranks raise nothing.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
+from ddpscope.analysis.waits import bucket_waits, median_without, own_ns
 from ddpscope.schema import Message, Step
 
 KIND = "straggler"
@@ -216,62 +217,6 @@ class _Verdict:
     ref: float
 
 
-def own_ns(step: Step, wait_ns: int | None = None) -> int:
-    """Time a rank spent on its own work in a step: the step minus every collective wait.
-
-    ``wait_ns`` stands in for the gradient all-reduce wait when that was not
-    measured (estimated from the buckets); DDP's syncs and the script's
-    collectives are subtracted either way.
-    """
-    total = step.t_end - step.t_start
-    wait = (step.comm_wait_ns if wait_ns is None else wait_ns) + step.sync_wait_ns
-    wait += step.coll_wait_ns
-    return max(0, total - min(wait, total))
-
-
-def bucket_waits(row: dict[int, Step]) -> dict[int, int] | None:
-    """Per rank, how long it waited at the all-reduce for the others (design notes, 4).
-
-    Per bucket k, ``transfer_k`` is the shortest duration over ranks and
-    ``wait(r,k) = dur(r,k) - transfer_k``. Buckets in flight together wait for
-    the same late rank, so a rank's wait is the largest of its bucket waits
-    (not their sum), capped by the time it was actually blocked when that was
-    measured. None when the ranks' bucket sets differ (before DDP's rebuild).
-    """
-    steps = list(row.values())
-    order = steps[0].b_index
-    if all(s.b_index == order for s in steps):
-        cols = list(zip(*(s.b_dur_ns for s in steps), strict=True))
-    else:  # same buckets launched in another order on some ranks?
-        if len({frozenset(s.b_index) for s in steps}) != 1:
-            return None
-        pos = [{i: k for k, i in enumerate(s.b_index)} for s in steps]
-        cols = [tuple(s.b_dur_ns[p[i]] for s, p in zip(steps, pos, strict=True)) for i in order]
-    # A bucket some rank never saw finish (-1) says nothing about waiting.
-    cols = [c for c in cols if min(c) >= 0]
-    transfer = [min(c) for c in cols]
-    waits = {}
-    for j, (r, s) in enumerate(row.items()):
-        w = max((c[j] - t for c, t in zip(cols, transfer, strict=True)), default=0)
-        waits[r] = min(w, s.comm_wait_ns) if s.comm_wait_ns > 0 else w
-    return waits
-
-
-def median_without(ordered: Sequence[float], value: float) -> float:
-    """Median of ``ordered`` (sorted) with one copy of ``value`` taken out."""
-    n = len(ordered) - 1
-    if n <= 0:
-        return math.nan
-    pos = bisect_left(ordered, value)
-
-    def kth(k: int) -> float:
-        return ordered[k] if k < pos else ordered[k + 1]
-
-    if n % 2:
-        return kth(n // 2)
-    return (kth(n // 2 - 1) + kth(n // 2)) / 2
-
-
 def _ms(ns: float) -> float:
     return round(ns / 1e6, 3)
 
@@ -281,6 +226,7 @@ class StragglerDetector:
 
     def __init__(
         self,
+        mode: Mode = LIVE,
         *,
         window: int = 20,
         min_steps: int = 10,
@@ -295,6 +241,7 @@ class StragglerDetector:
         release: float = 1.15,
         evidence_every: int = 10,
     ) -> None:
+        self.mode = mode
         self.window = window
         self.min_steps = min_steps
         self.min_span_ns = int(min_span_s * 1e9)
@@ -310,6 +257,12 @@ class StragglerDetector:
         self._memos: dict[str, _Memo] = {}
 
     # --- Detector protocol -----------------------------------------------------
+
+    def reset(self, run_id: str) -> None:
+        self._memos.pop(run_id, None)
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        self.tick(run, book)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step) or msg.step < self.warmup:

@@ -7,8 +7,8 @@ healthy run when data is missing:
   are lost everywhere, the recording included. Live, gaps in a rank's
   sequence numbers (``RankView.missing``) add what the wire lost (send
   high-water mark, a slow watcher). In a recording gaps mean nothing (the
-  periodic re-sends of run info are sent, not recorded), so pass
-  ``live=False`` there; ``Heartbeat.dropped_send`` is then only a note that
+  periodic re-sends of run info are sent, not recorded): a recorded ``Mode``
+  says so; ``Heartbeat.dropped_send`` is then only a note that
   a live watcher missed messages the recording has.
   Warning at 1 % of a run's messages or 5 % of one rank's, info below: a few
   drops on a live watcher do not change any diagnosis.
@@ -29,9 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ddpscope.analysis.detectors.liveness import NS, option, ranks_text
 from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.position import option
+from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
+from ddpscope.analysis.wording import NS, ranks_phrase, ranks_text
 from ddpscope.schema import Message
 
 #: Share of lost messages that makes a warning, for the run and for one rank.
@@ -47,18 +49,21 @@ class _TeleRun:
     signatures: dict[str, tuple[Any, ...]] = field(default_factory=dict)
 
 
-def _plural(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks_text(ranks)}"
-
-
 class TelemetryDetector:
     kinds: tuple[str, ...] = ("telemetry",)
 
-    def __init__(self, live: bool = True, silent_grace_s: float = SILENT_GRACE_S) -> None:
+    def __init__(self, mode: Mode = LIVE, silent_grace_s: float = SILENT_GRACE_S) -> None:
+        self.mode = mode
         #: False when fed from record files: sequence gaps are then not losses.
-        self.live = live
+        self.live = mode.live
         self.silent_grace_s = silent_grace_s
         self._runs: dict[str, _TeleRun] = {}
+
+    def reset(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        self.tick(run, book)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         """Everything here is judged on ticks: counters, not single messages."""
@@ -160,9 +165,9 @@ class TelemetryDetector:
         elif wire:
             parts.append(f"{wire} not delivered to a live watcher (the recording has them)")
         if lost:
-            head = f"{lost} messages from {_plural(ranks)} were lost ({share:.1%})"
+            head = f"{lost} messages from {ranks_phrase(ranks)} were lost ({share:.1%})"
         else:
-            head = f"No data is missing, but {_plural(ranks)} could not send everything live"
+            head = f"No data is missing, but {ranks_phrase(ranks)} could not send everything live"
         message = f"{head}: {'; '.join(parts)}."
         fix = (
             ("To lose nothing: " + "; ".join(fixes) + ".")
@@ -190,7 +195,7 @@ class TelemetryDetector:
             ranks=silent,
             step=0,
             message=(
-                f"{_plural(silent).capitalize()} of the {run.world_size} in this run sent "
+                f"{ranks_phrase(silent).capitalize()} of the {run.world_size} in this run sent "
                 f"nothing{'' if all_ended else f' in {waited:.0f} s'}: ddpscope sees "
                 f"{_count(run.world_size - len(silent), 'rank')}, and every figure and finding "
                 "is about those only."
@@ -260,9 +265,9 @@ class TelemetryDetector:
             ranks=ranks,
             step=step,
             message=(
-                f"ddpscope turned itself off on {_plural(ranks)} at step {step} after an internal "
-                f"error ({_one_line(first.error if first else '')}); training went on there, "
-                "unobserved from then on."
+                f"ddpscope turned itself off on {ranks_phrase(ranks)} at step {step} after an "
+                f"internal error ({_one_line(first.error if first else '')}); training went on "
+                "there, unobserved from then on."
             ),
             fix=(
                 "This is a ddpscope bug: report it with the error in the evidence. Findings "
@@ -293,8 +298,8 @@ class TelemetryDetector:
             ranks=closed,
             step=step,
             message=(
-                f"{_plural(closed).capitalize()} stopped reporting at step {step} (the ddpscope "
-                f"handle was closed) while other ranks went on to step {top}."
+                f"{ranks_phrase(closed).capitalize()} stopped reporting at step {step} (the "
+                f"ddpscope handle was closed) while other ranks went on to step {top}."
             ),
             fix="Nothing to do if the handle was closed on purpose; keep it open to watch the "
             "whole run.",
@@ -315,7 +320,7 @@ class TelemetryDetector:
             ranks=sorted(r for rs in seen.values() for r in rs),
             step=0,
             message="Ranks run different ddpscope versions: "
-            + "; ".join(f"{ver} on {_plural(rs)}" for ver, rs in seen.items())
+            + "; ".join(f"{ver} on {ranks_phrase(rs)}" for ver, rs in seen.items())
             + ".",
             fix="Install one ddpscope version in every rank's environment.",
             evidence={ver: ranks_text(rs) for ver, rs in seen.items()},

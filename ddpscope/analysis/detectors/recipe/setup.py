@@ -1,0 +1,139 @@
+"""The training setup of a run: effective global batch and learning rate.
+
+Not a detector: what report and UI headers show, and what the
+``global_batch`` check compares between runs of a script.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from ddpscope.analysis.state import RankView, RunState
+
+#: Steps whose micro-batch counts decide the accumulation factor.
+ACCUM_STEPS = 32
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """Effective global batch and learning rate of a run, for headers and comparisons."""
+
+    world_size: int
+    #: Per-rank batch (first dimension of a training forward's input), by rank.
+    batch_by_rank: dict[int, int]
+    #: Micro-batches per optimizer step (gradient accumulation), by rank.
+    accumulation_by_rank: dict[int, int]
+    #: Samples per optimizer step over all ranks; None when no batch is known.
+    global_batch: int | None
+    #: Whether every rank's batch and accumulation were known (else an estimate).
+    exact: bool
+    #: Learning rate of optimizer 0, group 0 (lowest rank that reported one).
+    lr: float | None
+    #: Distinct learning rates across optimizer 0's parameter groups.
+    lr_groups: int
+    optimizer: str
+    script: str
+
+    @property
+    def per_rank_batch(self) -> int | None:
+        values = list(self.batch_by_rank.values())
+        return int(statistics.median_low(values)) if values else None
+
+    @property
+    def accumulation(self) -> int | None:
+        values = list(self.accumulation_by_rank.values())
+        return int(statistics.median_low(values)) if values else None
+
+    def text(self) -> str:
+        """``global batch 64 = 32 per rank x 2 ranks · lr 0.05`` (empty when nothing is known)."""
+        parts = []
+        if self.global_batch is not None:
+            accum = self.accumulation or 1
+            ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+            how = f"{self.per_rank_batch} per rank x {ranks}"
+            if accum > 1:
+                how += f" x {accum} accumulation steps"
+            approx = "" if self.exact else "~"
+            parts.append(f"global batch {approx}{self.global_batch} = {how}")
+        if self.lr is not None:
+            groups = f" (group 0 of {self.lr_groups} rates)" if self.lr_groups > 1 else ""
+            parts.append(f"lr {self.lr:g}{groups}")
+        return " · ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "world_size": self.world_size,
+            "per_rank_batch": self.per_rank_batch,
+            "accumulation": self.accumulation,
+            "global_batch": self.global_batch,
+            "exact": self.exact,
+            "lr": self.lr,
+            "lr_groups": self.lr_groups,
+            "optimizer": self.optimizer,
+            "summary": self.text(),
+        }
+
+
+def _accumulation(view: RankView) -> int | None:
+    # From the newest end of the deque: copying a 2,048-step history per rank per redraw
+    # would cost more than the rest of a header.
+    recent = itertools.islice(reversed(view.steps), ACCUM_STEPS)
+    counts = Counter(s.micro_batches for s in recent if s.micro_batches > 0)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _learning_rate(run: RunState) -> tuple[float | None, int, str]:
+    for r in sorted(run.ranks):
+        hp = run.ranks[r].hparams
+        if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
+            continue
+        opt = hp.optimizers[0]
+        groups = [g for g in opt.get("groups", []) if isinstance(g, dict)]
+        rates = [g["lr"] for g in groups if isinstance(g.get("lr"), (int, float))]
+        if rates:
+            name = str(opt.get("type", "")).rsplit(".", 1)[-1]
+            return float(rates[0]), len(set(rates)), name
+    return None, 0, ""
+
+
+def training_setup(run: RunState) -> TrainingSetup:
+    """Global batch and learning rate as far as the messages tell; cheap enough per redraw."""
+    world = run.world_size or len(run.ranks)
+    batches: dict[int, int] = {}
+    accums: dict[int, int] = {}
+    script = ""
+    for r, view in run.ranks.items():
+        if view.batch is not None and view.batch.size > 0:
+            batches[r] = view.batch.size
+        a = _accumulation(view)
+        if a is not None:
+            accums[r] = a
+        if not script and view.info is not None:
+            script = view.info.script
+    global_batch: int | None = None
+    exact = False
+    if batches:
+        ranks = run.expected_ranks()
+        if all(r in batches and r in accums for r in ranks) and len(ranks) == world:
+            global_batch = sum(batches[r] * accums[r] for r in ranks)
+            exact = True
+        else:
+            per = statistics.median_low(list(batches.values()))
+            accum = statistics.median_low(list(accums.values())) if accums else 1
+            global_batch = int(per * accum * max(1, world))
+    lr, groups, optimizer = _learning_rate(run)
+    return TrainingSetup(
+        world_size=world,
+        batch_by_rank=batches,
+        accumulation_by_rank=accums,
+        global_batch=global_batch,
+        exact=exact,
+        lr=lr,
+        lr_groups=groups,
+        optimizer=optimizer,
+        script=script,
+    )
