@@ -14,6 +14,7 @@ Live mode bounds every history (``history`` steps); a report reads with
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,8 +215,10 @@ class RunState:
             view.duplicates += 1
             view.seq_count -= 1  # a duplicate is not a delivered message
             return False
-        row[msg.rank] = msg
         steps = view.steps
+        if self.history is not None:
+            _compact(msg, steps[-1] if steps else None, self.run_id)
+        row[msg.rank] = msg
         if not steps or steps[-1].step < msg.step:
             steps.append(msg)
         else:  # late arrival: keep the history ordered
@@ -307,6 +310,44 @@ class RunState:
     def _on_shutdown(self, view: RankView, msg: Shutdown, rx_ns: int) -> bool:
         view.shutdown = msg
         return True
+
+
+#: List fields of a Step that repeat from one step to the next on a rank (the
+#: bucket order and sizes of one layout, the collectives one loop calls): kept
+#: as the previous step's own list when equal, so a rank holds one copy.
+_REPEATING = ("b_index", "b_nbytes", "c_op", "c_class", "c_group", "c_nbytes", "c_site")
+#: Integer list fields that differ every step: 8 bytes an item as ``array('q')``
+#: instead of a list slot plus an int object (36-40 bytes).
+_VARYING = ("b_offset_ns", "b_dur_ns", "c_offset_ns", "c_dur_ns")
+
+
+def _compact(msg: Step, prev: Step | None, run_id: str) -> None:
+    """Shrink a live step in place: ~4.5 KB decoded with 32 buckets, ~1.3 KB after.
+
+    Steps are most of a watcher's memory (tracemalloc at 1,024 ranks: 168 of
+    197 MB). The message is ours alone (just decoded) and frozen only against
+    accidents, so its fields are swapped, never their values: every reader
+    sees the same numbers through the same sequence operations.
+    """
+    put = object.__setattr__
+    if msg.run == run_id:
+        put(msg, "run", run_id)  # one string per run, not one per message
+    if prev is not None:
+        for name in _REPEATING:
+            old = getattr(prev, name)
+            if getattr(msg, name) == old:
+                put(msg, name, old)
+    for name in _VARYING:
+        value = getattr(msg, name)
+        if not value:
+            # Empty stays a list (an empty array would not equal []): the previous one.
+            if prev is not None and type(getattr(prev, name)) is list and not getattr(prev, name):
+                put(msg, name, getattr(prev, name))
+        elif type(value) is list:
+            try:
+                put(msg, name, array("q", value))
+            except (OverflowError, TypeError):
+                pass  # beyond 64 bits (the decoder allows it): keep the list
 
 
 def _absurd_run_info(msg: RunInfo) -> str:
