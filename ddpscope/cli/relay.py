@@ -95,6 +95,12 @@ class RelayCommand:
             help="server keypair for --listen: required to listen beyond loopback",
         )
         parser.add_argument(
+            "--metrics",
+            metavar="HOST:PORT",
+            help="serve this node's ranks' figures as OpenMetrics (Prometheus) at "
+            "http://HOST:PORT/metrics (default: off; docs/relay.md)",
+        )
+        parser.add_argument(
             "--stats-every",
             metavar="S",
             type=float,
@@ -103,6 +109,7 @@ class RelayCommand:
         )
 
     def run(self, args: argparse.Namespace) -> int:
+        from ddpscope.metrics import MetricsAddressError, open_metrics, parse_address
         from ddpscope.transport.relay import Relay
         from ddpscope.transport.security import (
             SecurityError,
@@ -110,6 +117,7 @@ class RelayCommand:
             load_server_keys,
         )
 
+        metrics = None
         try:
             for addr in (args.upstream, args.listen):
                 config.derive_control_endpoint(addr)  # validates the shape
@@ -119,6 +127,9 @@ class RelayCommand:
             if args.client_key and not args.server_key:
                 raise SecurityError("--client-key needs --server-key (the watcher's public key)")
             keys = load_server_keys(args.keys) if args.keys else None
+            if args.metrics:
+                parse_address(args.metrics)  # before binding anything
+            metrics = open_metrics(args.metrics, "relay")
             relay = Relay(
                 args.listen,
                 args.upstream,
@@ -127,11 +138,16 @@ class RelayCommand:
                 record=os.path.abspath(args.record) if args.record else "",
                 keys=keys,
                 upstream_keys=up_keys,
+                metrics=metrics,
             )
-        except (SecurityError, config.ConfigError) as exc:
+        except (SecurityError, config.ConfigError, MetricsAddressError) as exc:
+            if metrics is not None:
+                metrics.close()
             print(f"ddpscope relay: error: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:
+            if metrics is not None:
+                metrics.close()
             print(f"ddpscope relay: {exc} (is another relay or watcher there?)", file=sys.stderr)
             return 3
         stop = threading.Event()
@@ -140,6 +156,8 @@ class RelayCommand:
             previous[sig] = signal.signal(sig, lambda *_: stop.set())
         secure = "with keys" if up_keys else "in the clear"
         rec = f"; recording to {relay.record}" if relay.record else ""
+        if metrics is not None:
+            rec += f"; metrics at {metrics.url}"
         print(
             f"ddpscope relay: ranks publish to {relay.listen} (requests: "
             f"{relay.listen_control}); forwarding to {relay.upstream} {secure}{rec}",

@@ -247,21 +247,27 @@ def _socket_dir() -> str:
 class NodeRelay:
     """A relay inside this launcher: the ranks of this node publish to it over ipc://."""
 
-    def __init__(self, env: Mapping[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], metrics: str | None = None) -> None:
+        from ddpscope.metrics import open_metrics
         from ddpscope.transport.relay import Relay
 
         opts = config.load(env=env)
         self.upstream = opts.endpoint
         self._dir = _socket_dir()
         self.listen = f"ipc://{self._dir}/ranks.sock"
+        server = None
         try:
+            server = open_metrics(metrics, "relay")
             self.relay = Relay(
                 self.listen,
                 opts.endpoint,
                 upstream_control=opts.resolved_control_endpoint(),
                 upstream_keys=opts.client_keys(),
+                metrics=server,
             )
         except BaseException:
+            if server is not None:
+                server.close()
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
 
@@ -349,6 +355,9 @@ class RunCommand:
             action="store_false",
             help="never run a relay: ranks publish to --endpoint directly",
         )
+        from ddpscope.cli.watch import add_metrics_argument
+
+        add_metrics_argument(parser)
         parser.add_argument(
             "command",
             nargs=argparse.REMAINDER,
@@ -368,20 +377,36 @@ class RunCommand:
             check_record_dir(env)
         except UsageError as exc:
             return self._usage_error(str(exc))
+        metrics = getattr(args, "metrics", None)
+        with_ui = not args.headless and all(s.isatty() for s in (sys.stdin, sys.stdout, sys.stderr))
+        if metrics:
+            from ddpscope.metrics import MetricsAddressError, parse_address
+
+            try:
+                parse_address(metrics)
+            except MetricsAddressError as exc:
+                return self._usage_error(str(exc))
+            if not (relay or with_ui):
+                return self._usage_error(
+                    "--metrics is served by the watcher or the relay this command runs; "
+                    "with neither (--headless, no relay) serve it from `ddpscope watch --metrics`"
+                )
         print(describe(env), file=sys.stderr, flush=True)
         if relay:
-            return self._run_relayed(command, env)
-        if not args.headless and all(s.isatty() for s in (sys.stdin, sys.stdout, sys.stderr)):
+            return self._run_relayed(command, env, metrics)
+        if with_ui:
             from ddpscope.cli.watch import launch_with_watcher
 
-            return launch_with_watcher(command, env)
+            return launch_with_watcher(command, env, metrics)
         return launch(command, env)
 
-    def _run_relayed(self, command: list[str], env: dict[str, str]) -> int:
+    def _run_relayed(
+        self, command: list[str], env: dict[str, str], metrics: str | None = None
+    ) -> int:
         from ddpscope.transport.security import SecurityError
 
         try:
-            node = NodeRelay(env)
+            node = NodeRelay(env, metrics)
         except (SecurityError, config.ConfigError) as exc:
             return self._usage_error(str(exc))
         except OSError as exc:

@@ -98,6 +98,7 @@ class WatchCommand:
             help="read the newest run recorded in DIR first, so a watcher started (or "
             "restarted) mid-run shows the run's history",
         )
+        add_metrics_argument(parser)
 
     def run(self, args: argparse.Namespace) -> int:
         env = dict(os.environ)
@@ -115,12 +116,15 @@ class WatchCommand:
         except config.ConfigError as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
+        from ddpscope.metrics import MetricsAddressError, parse_address
         from ddpscope.transport.security import SecurityError
         from ddpscope.ui.app import build_app
 
         try:
-            feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""), args.catch_up)
-        except SecurityError as exc:
+            if args.metrics:
+                parse_address(args.metrics)
+            feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""), args.catch_up, args.metrics)
+        except (SecurityError, MetricsAddressError) as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
         except OSError as exc:
@@ -141,28 +145,52 @@ def terminal_fd() -> int | None:
     return fd if fd >= 0 and os.isatty(fd) else None
 
 
+def add_metrics_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve OpenMetrics (Prometheus) at http://HOST:PORT/metrics: per-rank step "
+        "time, waits, drops and active findings (default: off; docs/watch.md)",
+    )
+
+
 def open_feed(
-    opts: config.Options, keys_dir: str = "", catch_up: str | None = None
+    opts: config.Options,
+    keys_dir: str = "",
+    catch_up: str | None = None,
+    metrics: str | None = None,
 ) -> tuple[LiveFeed, Subscriber]:
     """Bind the watcher's sockets (with keys from ``keys_dir`` if given) and a feed on them
-    (that first reads the newest run recorded in ``catch_up``, if given).
+    (that first reads the newest run recorded in ``catch_up``, if given, and serves
+    OpenMetrics at ``metrics``, HOST:PORT, if given).
 
     Raises SecurityError for unusable keys or a bind the policy refuses (beyond
-    loopback without keys), OSError when the address cannot be bound.
+    loopback without keys), MetricsAddressError for a ``metrics`` that is not
+    HOST:PORT, OSError when an address cannot be bound.
     """
     from ddpscope.analysis.live import LiveFeed
+    from ddpscope.metrics import open_metrics
     from ddpscope.transport.security import load_server_keys
     from ddpscope.transport.subscriber import Subscriber
 
     keys = load_server_keys(os.path.expanduser(keys_dir)) if keys_dir else None
     control = opts.resolved_control_endpoint()
     sub = Subscriber(opts.endpoint, control, keys=keys)
+    server = None
     try:
+        server = open_metrics(metrics, "watcher")
         feed = LiveFeed(
-            opts.endpoint, control, freeze_gc=True, subscriber=sub, catch_up=catch_up or None
+            opts.endpoint,
+            control,
+            freeze_gc=True,
+            subscriber=sub,
+            catch_up=catch_up or None,
+            metrics=server,
         )
     except BaseException:
         sub.close()
+        if server is not None:
+            server.close()
         raise
     return feed, sub
 
@@ -187,7 +215,9 @@ def job_log_path(env: Mapping[str, str]) -> str:
     return os.path.join(tempfile.gettempdir(), f"ddpscope-{opts.run_id or os.getpid()}.log")
 
 
-def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
+def launch_with_watcher(
+    command: list[str], env: Mapping[str, str], metrics: str | None = None
+) -> int:
     """``ddpscope run`` with the UI: the job's output to a log file, the UI in this terminal.
 
     The UI stays on the job's final state until the user quits. Quitting
@@ -202,7 +232,7 @@ def launch_with_watcher(command: list[str], env: Mapping[str, str]) -> int:
 
     opts = config.load(env={k: v for k, v in env.items() if k not in config.RANK_KEY_VARS})
     try:
-        feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""))
+        feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""), metrics=metrics)
     except (OSError, SecurityError) as exc:
         print(f"ddpscope run: {exc}; running without the watcher", file=sys.stderr)
         return launch(command, env)

@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -56,6 +56,9 @@ from ddpscope.transport.sockets import (
     relay_requests_out,
     relay_watcher_out,
 )
+
+if TYPE_CHECKING:
+    from ddpscope.metrics import MetricsServer, StreamFigures
 
 log = logging.getLogger("ddpscope")
 
@@ -254,7 +257,11 @@ class Relay:
         keys: ServerKeys | None = None,
         upstream_keys: ClientKeys | None = None,
         hwm: int = RELAY_HWM,
+        metrics: MetricsServer | None = None,
     ) -> None:
+        """``metrics``: an OpenMetrics server (``--metrics``) to serve the node's
+        ranks' figures on, taken from the capture (decoded here, no detectors:
+        findings need every rank, the watcher's). The relay closes it."""
         self.listen = listen
         self.upstream = upstream
         self.listen_control = listen_control or derive_control_endpoint(listen)
@@ -306,11 +313,18 @@ class Relay:
             self._steer.append((rep, req))
         self._capture: zmq.Socket | None = None
         self._record_in: zmq.Socket | None = None
+        self.metrics = metrics
+        self._figures: StreamFigures | None = None
+        if metrics is not None:
+            from ddpscope.metrics import StreamFigures
+
+            self._figures = StreamFigures()
         if record:
             here = socket.gethostname()
             self.recorder = NodeRecorder(
                 record, f"relay {here}:{os.getpid()}", here if is_local(listen) else ""
             )
+        if record or metrics is not None:
             self._record_in = self._ctx.socket(zmq.PULL)
             self._record_in.setsockopt(zmq.RCVHWM, hwm)
             self._record_in.bind(f"inproc://relay-{tag}-record")
@@ -373,17 +387,23 @@ class Relay:
             if self.recorder is not None and time.monotonic() >= next_flush:
                 next_flush = time.monotonic() + 1.0
                 self.recorder.flush_stale()
+            if self.metrics is not None and self._figures is not None and self.metrics.due():
+                self._figures.publish(self.metrics)
             if stopping and not ready:
                 return
 
     def _drain_capture(self) -> None:
-        assert self._record_in is not None and self.recorder is not None
+        assert self._record_in is not None
+        recorder, figures = self.recorder, self._figures
         for _ in range(4096):
             try:
                 raw = self._record_in.recv(zmq.DONTWAIT)
             except zmq.Again:
                 return
-            self.recorder.add(raw)
+            if recorder is not None:
+                recorder.add(raw)
+            if figures is not None:
+                figures.take(raw)
 
     # --- looking at it ---------------------------------------------------------------
 
@@ -468,6 +488,8 @@ class Relay:
                 data = ctl = (0,) * 8
             if self.recorder is not None:
                 self.recorder.close()
+            if self.metrics is not None:
+                self.metrics.close()
             self._final = self._make_stats(data, ctl)
             self.upstream_watch.close()
             self.downstream_watch.close()
