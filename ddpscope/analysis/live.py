@@ -31,6 +31,8 @@ from ddpscope.analysis.handoff import SnapshotHandoff
 from ddpscope.analysis.monitor import Clock, FeedStats, Monitor
 from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import SnapshotRequest
+from ddpscope.schema import Message
+from ddpscope.transport.decodepool import DecodePool
 from ddpscope.transport.subscriber import Subscriber
 
 if TYPE_CHECKING:
@@ -65,6 +67,7 @@ class LiveFeed(SnapshotHandoff):
         subscriber: Subscriber | None = None,
         catch_up: str | None = None,
         metrics: MetricsServer | None = None,
+        decoders: int = 0,
     ) -> None:
         """``subscriber``: an already bound one (with keys, say); by default one
         is bound at ``endpoint``. The feed owns it either way and closes it.
@@ -81,6 +84,10 @@ class LiveFeed(SnapshotHandoff):
 
         ``metrics``: an OpenMetrics server (``--metrics``) this thread gives the
         figures of the followed run to, once a second; the feed closes it.
+
+        ``decoders``: decode in this many worker processes
+        (:mod:`ddpscope.transport.decodepool`) instead of this thread, for a
+        stream bigger than one core decodes; 0 (the default): here.
         """
         super().__init__()
         self.monitor = Monitor(detectors, clock)
@@ -103,6 +110,8 @@ class LiveFeed(SnapshotHandoff):
         self.caught_up = 0
         self.catch_up_note = ""
         self.metrics = metrics
+        self._pool = DecodePool(decoders) if decoders > 0 else None
+        self._decoded: list[Message | tuple[str, str]] = []
         self._thread = threading.Thread(target=self._run, name="ddpscope-ingest", daemon=True)
 
     @property
@@ -141,6 +150,8 @@ class LiveFeed(SnapshotHandoff):
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
         self._sub.close()
+        if self._pool is not None:
+            self._pool.close()
         if self.metrics is not None:
             self.metrics.close()
 
@@ -159,17 +170,21 @@ class LiveFeed(SnapshotHandoff):
         try:
             if self.catch_up:
                 self._catch_up(self.catch_up)
+            pool = self._pool
             while not self._stop.is_set():
                 self._send_requests()
-                msg = self._sub.recv(POLL_MS)
-                began = time.perf_counter_ns()
-                if msg is not None:
-                    take(msg)
-                    for _ in range(BATCH):
-                        msg = self._sub.recv(0)
-                        if msg is None:
-                            break
+                if pool is not None:
+                    began = self._ingest_pooled(pool)
+                else:
+                    msg = self._sub.recv(POLL_MS)
+                    began = time.perf_counter_ns()
+                    if msg is not None:
                         take(msg)
+                        for _ in range(BATCH):
+                            msg = self._sub.recv(0)
+                            if msg is None:
+                                break
+                            take(msg)
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + TICK_S
@@ -187,6 +202,32 @@ class LiveFeed(SnapshotHandoff):
                 self._publish(self.take_request() or SnapshotRequest())
             except Exception:
                 pass
+
+    def _ingest_pooled(self, pool: DecodePool) -> int:
+        """One turn with decoding in the pool: hand over what arrived, take what is
+        decoded (in arrival order). Returns when the work began (perf_counter ns)."""
+        sub = self._sub
+        # While batches are out, look back soon: their answers are due.
+        raw = sub.recv_raw(1 if pool.pending else POLL_MS)
+        began = time.perf_counter_ns()
+        out = self._decoded
+        if raw is not None:
+            batch = [raw]
+            for _ in range(BATCH):
+                raw = sub.recv_raw(0)
+                if raw is None:
+                    break
+                batch.append(raw)
+            pool.submit(batch, out)
+        pool.collect(out)
+        take = self.monitor.take
+        for item in out:
+            if type(item) is tuple:
+                sub.refused(*item)
+            else:
+                take(item)  # type: ignore[arg-type]
+        out.clear()
+        return began
 
     def _update_metrics(self, metrics: MetricsServer) -> None:
         analysis = self.monitor.analysis

@@ -99,6 +99,14 @@ class WatchCommand:
             "restarted) mid-run shows the run's history",
         )
         add_metrics_argument(parser)
+        parser.add_argument(
+            "--decoders",
+            metavar="N",
+            type=int,
+            default=0,
+            help="decode telemetry in N worker processes (default 0: in the ingest thread); "
+            "for thousands of ranks, where decoding alone fills a core (docs/watch.md)",
+        )
 
     def run(self, args: argparse.Namespace) -> int:
         env = dict(os.environ)
@@ -116,6 +124,12 @@ class WatchCommand:
         except config.ConfigError as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
+        if args.decoders < 0:
+            print(
+                f"ddpscope watch: error: --decoders wants 0 or more, not {args.decoders}",
+                file=sys.stderr,
+            )
+            return 2
         from ddpscope.metrics import MetricsAddressError, parse_address
         from ddpscope.transport.security import SecurityError
         from ddpscope.ui.app import build_app
@@ -123,7 +137,9 @@ class WatchCommand:
         try:
             if args.metrics:
                 parse_address(args.metrics)
-            feed, sub = open_feed(opts, env.get(config.KEYS_VAR, ""), args.catch_up, args.metrics)
+            feed, sub = open_feed(
+                opts, env.get(config.KEYS_VAR, ""), args.catch_up, args.metrics, args.decoders
+            )
         except (SecurityError, MetricsAddressError) as exc:
             print(f"ddpscope watch: error: {exc}", file=sys.stderr)
             return 2
@@ -159,6 +175,7 @@ def open_feed(
     keys_dir: str = "",
     catch_up: str | None = None,
     metrics: str | None = None,
+    decoders: int = 0,
 ) -> tuple[LiveFeed, Subscriber]:
     """Bind the watcher's sockets (with keys from ``keys_dir`` if given) and a feed on them
     (that first reads the newest run recorded in ``catch_up``, if given, and serves
@@ -166,7 +183,8 @@ def open_feed(
 
     Raises SecurityError for unusable keys or a bind the policy refuses (beyond
     loopback without keys), MetricsAddressError for a ``metrics`` that is not
-    HOST:PORT, OSError when an address cannot be bound.
+    HOST:PORT, OSError when an address cannot be bound. ``decoders``: worker
+    processes that decode (0: the ingest thread does).
     """
     from ddpscope.analysis.live import LiveFeed
     from ddpscope.metrics import open_metrics
@@ -186,6 +204,7 @@ def open_feed(
             subscriber=sub,
             catch_up=catch_up or None,
             metrics=server,
+            decoders=decoders,
         )
     except BaseException:
         sub.close()

@@ -85,6 +85,17 @@ class Subscriber:
 
     def recv(self, timeout_ms: int) -> Message | None:
         """One decoded message, or None when nothing valid came in time."""
+        raw = self.recv_raw(timeout_ms)
+        if raw is None:
+            return None
+        try:
+            return decode(raw)
+        except SchemaError as exc:
+            self.refused(exc.reason, str(exc))
+            return None
+
+    def recv_raw(self, timeout_ms: int) -> bytes | None:
+        """One message as it came, undecoded (a DecodePool decodes), or None in time."""
         if not self._sub.poll(timeout_ms):
             self.handshakes.poll()
             return None
@@ -94,12 +105,12 @@ class Subscriber:
         if not self._until_check:
             self._until_check = MONITOR_EVERY
             self.handshakes.poll()
-        try:
-            return decode(raw)
-        except SchemaError as exc:
-            self.rejected[exc.reason] += 1  # a fixed set: a flood cannot grow this
-            self.last_error = str(exc)
-            return None
+        return raw
+
+    def refused(self, reason: str, text: str) -> None:
+        """Count a message the decoder refused (here or in a DecodePool's worker)."""
+        self.rejected[reason] += 1  # a fixed set: a flood cannot grow this
+        self.last_error = text
 
     def drain(self, timeout_ms: int, limit: int = 100_000) -> Iterator[Message]:
         """Messages until none arrives for ``timeout_ms``."""

@@ -1,0 +1,140 @@
+"""Decoding telemetry in worker processes, for a watcher whose one core is full.
+
+At thousands of ranks the typed decoder is most of the watcher's ingest cost
+(a 32-bucket step: 30-90 us to decode and check, against ~15 us for the run
+model and every detector), and one Python thread cannot go faster than one
+core. A pool moves that work to ``workers`` processes: the ingest thread
+hands them raw messages in batches (as they came off the socket) and gets
+back the decoded messages, already checked, as one pickle per batch, which
+costs it ~10 us a message instead of the decode.
+
+Order is kept: batch n goes to worker n % workers, each worker answers its
+batches in order, and results are taken in batch order, so every rank's
+messages reach the analysis in the order the socket delivered them, exactly
+as without a pool. Rejections travel back as (reason, text) and are counted
+by the subscriber as its own would be.
+
+Workers are spawned (never forked: the watcher has sockets and threads) and
+import only the schema; nothing here imports torch or textual.
+"""
+
+from __future__ import annotations
+
+import marshal
+import multiprocessing
+import pickle
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ddpscope.schema import Message, SchemaError, decode
+
+#: Batches a worker may hold before the ingest thread waits for its answer. One:
+#: a pipe holds 64 KB, so with two a worker blocked writing an answer nobody
+#: reads yet and the ingest thread blocked writing it the next batch would wait
+#: for each other forever. A burst queues in ZeroMQ (bounded by its high-water
+#: mark) instead.
+IN_FLIGHT = 1
+
+
+def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker process
+    """A worker: batches of raw messages in, decoded messages (or why not) out."""
+    while True:
+        try:
+            blob = conn.recv_bytes()
+        except EOFError:
+            return
+        if not blob:
+            return
+        out: list[Any] = []
+        for raw in marshal.loads(blob):
+            try:
+                out.append(decode(raw))
+            except SchemaError as exc:
+                out.append((exc.reason, str(exc)))
+        conn.send_bytes(pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class DecodePool:
+    """``workers`` decoding processes; one thread submits and collects."""
+
+    def __init__(self, workers: int) -> None:
+        if workers < 1:
+            raise ValueError(f"a decode pool needs at least one worker, not {workers}")
+        ctx = multiprocessing.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[Any] = []
+        try:
+            for i in range(workers):
+                here, there = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=_serve, args=(there,), name=f"ddpscope-decode-{i}", daemon=True
+                )
+                proc.start()
+                there.close()
+                self._conns.append(here)
+                self._procs.append(proc)
+        except BaseException:
+            self.close()
+            raise
+        #: Worker index of each batch submitted and not yet collected, oldest first.
+        self._pending: deque[int] = deque()
+        self._next = 0
+        self._closed = False
+
+    @property
+    def workers(self) -> int:
+        return len(self._conns)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def submit(self, raws: list[bytes], out: list[Message | tuple[str, str]]) -> None:
+        """Hand a batch to the next worker; appends to ``out`` whatever had to be
+        collected first to stay within IN_FLIGHT batches per worker."""
+        if len(self._pending) >= IN_FLIGHT * len(self._conns):
+            self._collect_one(out)
+        i = self._next
+        self._next = (i + 1) % len(self._conns)
+        self._conns[i].send_bytes(marshal.dumps(raws))
+        self._pending.append(i)
+
+    def collect(self, out: list[Message | tuple[str, str]], wait: bool = False) -> None:
+        """Append to ``out`` every batch that is ready, in submission order
+        (``wait``: everything submitted, waiting for it)."""
+        while self._pending:
+            if not wait and not self._conns[self._pending[0]].poll(0):
+                return
+            self._collect_one(out)
+
+    def _collect_one(self, out: list[Message | tuple[str, str]]) -> None:
+        i = self._pending.popleft()
+        try:
+            out.extend(pickle.loads(self._conns[i].recv_bytes()))
+        except EOFError:
+            raise RuntimeError(f"decode worker {i} exited") from None
+
+    def close(self) -> None:
+        """Stop the workers (idempotent); batches not collected are dropped."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2.0)
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> DecodePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
