@@ -28,6 +28,7 @@ the measured window (after a 5 s warm-up).
     python -m benchmarks.relay_load                       # 1,024 ranks, 8 relays, 30 s
     python -m benchmarks.relay_load --ranks 256 --relays 2 --seconds 20
     python -m benchmarks.relay_load --json
+    python -m benchmarks.relay_load --ranks 4096 --relays 32 --procs 8 --decoders 3
 """
 
 from __future__ import annotations
@@ -233,28 +234,25 @@ def role_watcher(args: argparse.Namespace) -> None:
     from ddpscope.analysis.live import LiveFeed
     from ddpscope.transport.subscriber import Subscriber
 
-    class Counting(Subscriber):
-        """The watcher's subscriber, counting sequence numbers and step lag per message."""
+    sub = Subscriber(args.endpoint)
+    got: dict[int, int] = {}
+    lag_at = array("d")
+    lags = array("d")
+    feed = LiveFeed(args.endpoint, subscriber=sub, freeze_gc=True, decoders=args.decoders)
+    take = feed.monitor.take
 
-        def __init__(self, endpoint: str) -> None:
-            super().__init__(endpoint)
-            self.got: dict[int, int] = {}
-            self.lag_at = array("d")
-            self.lag = array("d")
+    def counting(msg: Message, rx_ns: int | None = None) -> None:
+        """Sequence numbers and step lag, per message as it reaches the analysis
+        (after the decode, wherever that ran)."""
+        if msg.seq >= 0:
+            got[msg.rank] = got.get(msg.rank, 0) + 1
+        if type(msg) is Step:
+            now = time.monotonic_ns()
+            lag_at.append(now / 1e9)
+            lags.append((now - msg.t) / 1e9)
+        take(msg, rx_ns)
 
-        def recv(self, timeout_ms: int) -> Message | None:
-            msg = super().recv(timeout_ms)
-            if msg is not None:
-                if msg.seq >= 0:
-                    self.got[msg.rank] = self.got.get(msg.rank, 0) + 1
-                if type(msg) is Step:
-                    now = time.monotonic_ns()
-                    self.lag_at.append(now / 1e9)
-                    self.lag.append((now - msg.t) / 1e9)
-            return msg
-
-    sub = Counting(args.endpoint)
-    feed = LiveFeed(args.endpoint, subscriber=sub, freeze_gc=True)
+    feed.monitor.take = counting  # type: ignore[method-assign]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     health: list[dict[str, Any]] = []
@@ -277,11 +275,11 @@ def role_watcher(args: argparse.Namespace) -> None:
                 }
             )
     out = {
-        "got": sub.got,
+        "got": got,
         "received": sub.received,
         "rejected": sum(sub.rejected.values()),
-        "lag_at": list(sub.lag_at),
-        "lag": list(sub.lag),
+        "lag_at": list(lag_at),
+        "lag": list(lags),
         "health": health,
     }
     Path(args.out).write_text(json.dumps(out))
@@ -313,7 +311,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     watcher_ep = f"tcp://127.0.0.1:{port}"
     relay_eps = ",".join(f"ipc://{tmp}/relay-{i}.sock" for i in range(args.relays))
     out_file = os.path.join(tmp, "watcher.json")
-    watcher = _spawn("watcher", "--endpoint", watcher_ep, "--out", out_file)
+    watcher = _spawn(
+        "watcher", "--endpoint", watcher_ep, "--out", out_file, "--decoders", str(args.decoders)
+    )
     _ready(watcher, "watcher")
     relays = _spawn("relays", "--relay-endpoints", relay_eps, "--upstream", watcher_ep)
     _ready(relays, "relays")
@@ -329,13 +329,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     time.sleep(max(0.0, start_at - time.monotonic()) + WARMUP_S)
     w = psutil.Process(watcher.pid)
     procs = {"watcher": w, "relays": psutil.Process(relays.pid)}
+    for i, child in enumerate(w.children(recursive=True)):  # the decode workers
+        procs[f"decoder{i}"] = child
     cpu0 = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
     rank_cpu0 = sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in ranks)
     t0 = time.monotonic()
-    rss_peak = 0
+    rss_peak = decoders_rss_peak = 0
     window_end = start_at + args.seconds
+    workers = [p for k, p in procs.items() if k.startswith("decoder")]
     while time.monotonic() < window_end:
         rss_peak = max(rss_peak, w.memory_info().rss)
+        decoders_rss_peak = max(decoders_rss_peak, sum(p.memory_info().rss for p in workers))
         time.sleep(0.5)
     elapsed = time.monotonic() - t0
     cpu = {k: (sum(p.cpu_times()[:2]) - cpu0[k]) / elapsed for k, p in procs.items()}
@@ -395,6 +399,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if health
         else None,
         "relays_cpu_pct": round(100 * cpu["relays"]),
+        "decoders": args.decoders,
+        "decoders_cpu_pct": round(100 * sum(v for k, v in cpu.items() if k.startswith("decoder"))),
+        "decoders_rss_mb_peak": round(decoders_rss_peak / 2**20),
         "rank_procs_cpu_pct": round(100 * rank_cpu),
         "watcher_rss_mb_end": round(rss_end / 2**20),
         "watcher_rss_mb_peak": round(rss_peak / 2**20),
@@ -414,6 +421,9 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="processes simulating the ranks")
     p.add_argument("--rate", type=float, default=10.0, help="steps per second per rank")
     p.add_argument("--buckets", type=int, default=32)
+    p.add_argument(
+        "--decoders", type=int, default=0, help="the watcher's decode workers (watch --decoders)"
+    )
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument(
         "--drain", type=float, default=2.0, help="the watcher is done when idle this long"
