@@ -69,11 +69,14 @@ def _samples(term: Terminal, pattern: re.Pattern[str], since: int) -> list[str]:
     return [m.group(1) for m in pattern.finditer(term.text_since(since))]
 
 
-def measure(world: int, seconds: float, rate: float, buckets: int, presses: int) -> dict[str, Any]:
+def measure(
+    world: int, seconds: float, rate: float, buckets: int, presses: int, decoders: int = 0
+) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="ddpscope-bench-")
     endpoint = f"ipc://{tmp}/watch.sock"
     env = _env()
     watch = [sys.executable, "-m", "ddpscope", "watch", "--endpoint", endpoint]
+    watch += ["--decoders", str(decoders)] if decoders else []
     term = Terminal(watch, env, size=(200, 50), cwd=str(ROOT))
     term.wait_for("listening on", timeout=30)
     pub = psutil.Popen(
@@ -104,6 +107,8 @@ def measure(world: int, seconds: float, rate: float, buckets: int, presses: int)
         time.sleep(max(5.0, remaining))
         elapsed = time.monotonic() - t0
         cpu = (sum(watcher.cpu_times()[:2]) - cpu0) / elapsed
+        workers = watcher.children(recursive=True)
+        workers_rss = sum(w.memory_info().rss for w in workers)
         pub_cpu = (sum(pub.cpu_times()[:2]) - pub0) / elapsed
         rss = watcher.memory_info().rss
         early_lags = [int(x) for x in _samples(term, LAG, early_mark)[: max(1, 10)]]
@@ -123,6 +128,8 @@ def measure(world: int, seconds: float, rate: float, buckets: int, presses: int)
         "watcher_cpu_pct": round(100 * cpu),
         "publisher_cpu_pct": round(100 * pub_cpu),
         "watcher_rss_mb": round(rss / 2**20),
+        "decoders": decoders,
+        "decoders_rss_mb": round(workers_rss / 2**20),
         "sent_per_s": round(expected_rate),
         "ingested_per_s": round(statistics.median([_num(r) for _, r in rx])) if rx else None,
         "lag_ms_early": statistics.median(early_lags) if early_lags else None,
@@ -143,9 +150,13 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=10.0, help="steps per second")
     p.add_argument("--buckets", type=int, default=32)
     p.add_argument("--presses", type=int, default=10, help="rounds of 3 key presses")
+    p.add_argument("--decoders", type=int, default=0, help="watch --decoders N")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    rows = [measure(w, args.seconds, args.rate, args.buckets, args.presses) for w in args.worlds]
+    rows = [
+        measure(w, args.seconds, args.rate, args.buckets, args.presses, args.decoders)
+        for w in args.worlds
+    ]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
