@@ -19,7 +19,8 @@ sockets). It measures:
 
     python -m benchmarks.ingest                 # everything, JSON on stdout
     python -m benchmarks.ingest --minutes 1 --skip-memory
-    BENCH_WORLD=4096 BENCH_HISTORY=32 python -m benchmarks.ingest --latency-only --seeds 1
+    BENCH_WORLD=4096 BENCH_HISTORY=32 python -m benchmarks.ingest --latency-only --seeds 1 \
+        --only straggler_own_work,desync,missing_set_epoch,hang
 
 Needs every detector module (default_detectors()).
 """
@@ -412,6 +413,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=5, help="runs per straggler scenario")
     p.add_argument("--skip-memory", action="store_true")
     p.add_argument("--latency-only", action="store_true", help="detection latency alone")
+    p.add_argument("--only", default="", help="latency scenarios, comma-separated (default all)")
     args = p.parse_args()
     core = pin_one_core()
     out: dict[str, Any] = {
@@ -421,15 +423,18 @@ def main() -> None:
     }
     if not args.latency_only:
         out["ingest"] = ingest(args.seconds)
-    out["latency"] = {
-        "straggler": [
+    scenarios: dict[str, Callable[[], Any]] = {
+        "straggler": lambda: [
             latency_straggler(WORLD, 60, args.seeds, phase) for phase in (None, "backward", "data")
         ],
-        "healthy_control": healthy_control(WORLD, 150, 4),
-        "desync": latency_desync(WORLD, every=10, onset=35),
-        "missing_set_epoch": latency_set_epoch(WORLD, per_epoch=20),
-        "hang": latency_hang(WORLD, 40),
+        "straggler_own_work": lambda: [latency_straggler(WORLD, 60, args.seeds, None)],
+        "healthy_control": lambda: healthy_control(WORLD, 150, 4),
+        "desync": lambda: latency_desync(WORLD, every=10, onset=35),
+        "missing_set_epoch": lambda: latency_set_epoch(WORLD, per_epoch=20),
+        "hang": lambda: latency_hang(WORLD, 40),
     }
+    wanted = args.only.split(",") if args.only else [k for k in scenarios if "_own" not in k]
+    out["latency"] = {name: scenarios[name]() for name in wanted}
     if not (args.skip_memory or args.latency_only):
         # 1,024 ranks for N minutes (tracemalloc's own bookkeeping rules out the full
         # 204.8 s at that size on a 23 GB machine), and a smaller world past the bound.
