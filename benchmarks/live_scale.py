@@ -1,7 +1,7 @@
 """The watcher's analysis at cluster scale: memory held and CPU per message, 1,024 and 4,096 ranks.
 
 In one process, no sockets (relay_load.py measures the sockets end to end):
-a stream shaped like a big job (tests/synth.py's lockstep DDP, 32 buckets,
+a stream shaped like a big job (tests/support/synth.py's lockstep DDP, 32 buckets,
 ~10 steps/s, a heartbeat per rank per second) is encoded, then fed to the
 Monitor ``ddpscope watch`` runs (every default detector, the live history
 bound), ticked every 250 ms and asked for a snapshot every 0.5 s of stream
@@ -20,8 +20,8 @@ It reports, per world size:
   each message costs the workers (decode + flattening);
 - the messages/s one core would then take, against what the job sends.
 
-    python benchmarks/live_scale.py                       # 1,024 and 4,096 ranks
-    python benchmarks/live_scale.py --worlds 1024 --steps 320 --json
+    python -m benchmarks.live_scale                       # 1,024 and 4,096 ranks
+    python -m benchmarks.live_scale --worlds 1024 --steps 320 --json
 """
 
 from __future__ import annotations
@@ -41,17 +41,14 @@ from typing import Any
 
 import psutil
 
+from benchmarks.table import print_rows
+from ddpscope.analysis.monitor import FeedStats, Monitor
+from ddpscope.analysis.snapshot import SnapshotRequest
+from ddpscope.schema import decode, encode
+from ddpscope.transport.decodepool import flatten, rebuild
+from tests.support.synth import MS, Phases, healthy, lockstep, run_infos
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))  # tests/synth.py: the shared synthetic stream
-
-from synth import MS, Phases, healthy, lockstep, run_infos  # noqa: E402
-from table import print_rows  # noqa: E402
-
-from ddpscope.analysis.monitor import FeedStats, Monitor  # noqa: E402
-from ddpscope.analysis.snapshot import SnapshotRequest  # noqa: E402
-from ddpscope.schema import decode, encode  # noqa: E402
-from ddpscope.transport.decodepool import flatten, rebuild  # noqa: E402
 
 BUCKETS = 32
 RATE = 10
@@ -224,10 +221,12 @@ def main() -> None:
         if len(args.worlds.split(",")) > 1:
             import subprocess
 
-            cmd = [sys.executable, __file__, "--worlds", str(w), "--steps", str(args.steps)]
+            cmd = [sys.executable, "-m", "benchmarks.live_scale", "--worlds", str(w)]
+            cmd += ["--steps", str(args.steps)]
             cmd += ["--pool-steps", str(args.pool_steps), "--json"]
             cmd += ["--trace"] if args.trace else []
-            rows += json.loads(subprocess.run(cmd, check=True, capture_output=True).stdout)
+            done = subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+            rows += json.loads(done.stdout)
         else:
             rows.append(measure(w, args.steps, args.pool_steps, args.trace))
     if args.json:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from synthetic import SyntheticRun, Wire, clock_at, wait_received
 
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import SchemaError, decode, encode
 from ddpscope.transport.decodepool import DecodePool
+from tests.support.synth import SyntheticRun, clock_at
+from tests.support.wire import Wire, wait_received
 
 
 def _straggler() -> list:
-    mod = pytest.importorskip("ddpscope.analysis.detectors.straggler")
-    return [mod.StragglerDetector()]
+    return [StragglerDetector()]
 
 
 def test_a_pool_returns_what_decode_returns_in_submission_order() -> None:

@@ -11,10 +11,9 @@ import urllib.request
 from collections.abc import Callable
 
 import pytest
-from conftest import ROOT, job_env
 from prometheus_client.parser import text_string_to_metric_families
-from synthetic import SyntheticRun, Wire, wait_received
 
+from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.live import LiveFeed
 from ddpscope.cli.main import build_parser
 from ddpscope.cli.watch import open_feed
@@ -22,6 +21,9 @@ from ddpscope.config import load
 from ddpscope.metrics import MetricsAddressError, MetricsServer, parse_address
 from ddpscope.transport.relay import Relay
 from ddpscope.transport.subscriber import Subscriber
+from tests.support.synth import SyntheticRun
+from tests.support.torchrun import ROOT, job_env
+from tests.support.wire import Wire, wait_received
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -55,8 +57,7 @@ def _rank(run: SyntheticRun, r: int) -> tuple[tuple[str, str], ...]:
 
 
 def _straggler() -> list:
-    mod = pytest.importorskip("ddpscope.analysis.detectors.straggler")
-    return [mod.StragglerDetector()]
+    return [StragglerDetector()]
 
 
 def test_a_scrape_of_the_watcher_has_per_rank_waits_drops_and_the_active_straggler(

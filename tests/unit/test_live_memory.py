@@ -12,12 +12,11 @@ import gc
 import random
 import tracemalloc
 
-from synth import MS, Phases, healthy, lockstep, run_infos
-
 from ddpscope.analysis import monitor as monitor_mod
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import Step, decode, encode
+from tests.support.synth import MS, Phases, healthy, lockstep, run_infos
 
 WORLD = 32
 BUCKETS = 32
