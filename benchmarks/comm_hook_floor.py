@@ -8,6 +8,10 @@ layers trained in rotating blocks of steps:
 - ``minimal``: the least a Python hook can do (divide, all-reduce, one
   ``then`` callback returning the tensor: the reducer requires a Python
   object back);
+- ``nodiv``: ``minimal`` without the divide, so gradients come out summed,
+  not averaged: not a usable hook, it only measures the divide's share
+  (DDP's C++ path fuses the divide into the copy into the bucket; a Python
+  hook gets the bucket already copied and divides it in a second pass);
 - ``ddpscope``: attached at default settings (bucket detail sampled);
 - ``ddpscope_all``: attached, bucket detail on every step.
 
@@ -66,10 +70,15 @@ def worker(args: argparse.Namespace) -> None:
         t.div_(world)
         return group.allreduce([t]).get_future().then(_first)
 
-    models = {name: make() for name in ("cpp", "default_py", "minimal", "ddpscope", "ddpscope_all")}
+    def nodiv(group: Any, bucket: Any) -> Any:
+        return group.allreduce([bucket.buffer()]).get_future().then(_first)
+
+    names = ("cpp", "default_py", "minimal", "nodiv", "ddpscope", "ddpscope_all")
+    models = {name: make() for name in names}
     group = dist.distributed_c10d._get_default_group()
     models["default_py"].register_comm_hook(group, default_hooks.allreduce_hook)
     models["minimal"].register_comm_hook(group, minimal)
+    models["nodiv"].register_comm_hook(group, nodiv)
     ddpscope.attach(models["ddpscope"])
     ddpscope.attach(models["ddpscope_all"]).tracker.fixed_every = 1
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
@@ -85,12 +94,11 @@ def worker(args: argparse.Namespace) -> None:
         t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
         return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3
 
-    names = list(models)
     for n in names:
         block(n, 10)
     got: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
     for i in range(args.rounds):
-        for n in names[i % len(names) :] + names[: i % len(names)]:
+        for n in (*names[i % len(names) :], *names[: i % len(names)]):
             got[n].append(block(n, args.steps))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(got))

@@ -215,6 +215,7 @@ def _helper_cpu_s(pid: int) -> float:
 
 def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     r0 = ranks[0]
+    per_block = r0["steps_each"] // max(1, args.rounds)
     names = list(r0["wall"])
     steps = r0["steps_each"]
     # The job's pace is its slowest rank's: per block, the larger of the ranks' times.
@@ -250,7 +251,7 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "buckets": r0["buckets"],
         "bucket_every": r0["bucket_every"],
         "rounds": args.rounds,
-        "steps_per_block": args.steps,
+        "steps_per_block": per_block,
         "record": args.record,
         "sides": sides,
     }

