@@ -88,7 +88,8 @@ def timed_hook(state, bucket):
             tensor = bucket.buffer()
             if not tensor.is_complex():
                 group, size = direct
-                tensor.div_(size)
+                if size != 1:  # x / 1 is x: a pass over the bucket saved
+                    tensor.div_(size)
                 return group.allreduce([tensor]).get_future().then(_first)
         return state.inner(state.inner_state, bucket)
     began = time.perf_counter_ns()
@@ -102,7 +103,8 @@ def timed_hook(state, bucket):
             group, size = direct
             # The same arithmetic as default_hooks.allreduce_hook (and DDP's
             # built-in path): divide, then sum.
-            tensor.div_(size)
+            if size != 1:
+                tensor.div_(size)
             # What the timing adds, not the launch every path pays (on gloo the
             # launch can take tens of us: it hands the work to another thread).
             launch = time.perf_counter_ns()
