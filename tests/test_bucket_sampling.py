@@ -170,8 +170,11 @@ def test_a_step_closes_at_its_optimizer_when_a_freed_optimizer_had_the_same_addr
     plain(x).sum().backward()
     opt.step()  # the watched model's tracker sees it and notes it is not its own
     old = id(opt)
-    del opt
-    mine = torch.optim.SGD(watched.parameters(), lr=0.01)
+    del opt  # freed here: nothing else holds it
+    # The allocator hands the freed block to the next object of that size:
+    # take it before __init__ allocates anything else.
+    mine = torch.optim.SGD.__new__(torch.optim.SGD)
+    torch.optim.SGD.__init__(mine, watched.parameters(), lr=0.01)
     if id(mine) != old:
         pytest.skip("the allocator did not reuse the address this time")
     watched(x).sum().backward()
