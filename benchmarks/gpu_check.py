@@ -8,7 +8,13 @@
    same matmul timed by synchronising around it.
 3. A real one-process DDP job (NCCL) under ddpscope: steps report
    clock "cuda", positive phases, bucket all-reduce durations within the
-   step, fingerprints, and no dropped messages.
+   step on the steps that carry bucket detail (sampled: ``b_detail``), the
+   steps between with empty bucket arrays, fingerprints, and no dropped
+   messages.
+4. The hot path on CUDA, in this process (NCCL, world size 1): an attached
+   model trains under ``torch.cuda.set_sync_debug_mode("error")`` without a
+   synchronising call (its timed and untimed bucket paths both), and makes
+   no more caching-allocator requests per step than the same model plain.
 
 Prints one JSON object; exits non-zero if a check fails.
 """
@@ -91,20 +97,89 @@ def check_job() -> dict[str, Any]:
     fps = [m for m in msgs if isinstance(m, Fingerprint)]
     beats = [m for m in msgs if isinstance(m, Heartbeat)]
     later = steps[2:]
-    within = all(0 < d <= s.t_end - s.t_start for s in later for d in s.b_dur_ns)
+    timed = [s for s in later if s.b_detail]
+    untimed = [s for s in later if not s.b_detail]
+    within = all(0 < d <= s.t_end - s.t_start for s in timed for d in s.b_dur_ns)
     return {
-        "ok": bool(later)
+        "ok": bool(timed)
         and all(s.clock == "cuda" for s in steps)
         and within
+        and all(s.b_index == [] for s in untimed)
         and bool(fps)
         and all(s.forward_ns > 0 and s.backward_ns > 0 for s in later),
         "steps": len(steps),
+        "steps_with_bucket_detail": len(timed),
+        "bucket_every": sorted({s.b_every for s in later}),
         "clock": sorted({s.clock for s in steps}),
         "median_step_ms": sorted((s.t_end - s.t_start) for s in later)[len(later) // 2] / 1e6,
-        "buckets_per_step": len(later[-1].b_index) if later else 0,
-        "bucket_ms_last_step": [d / 1e6 for d in later[-1].b_dur_ns] if later else [],
+        "buckets_per_step": len(timed[-1].b_index) if timed else 0,
+        "bucket_ms_last_timed_step": [d / 1e6 for d in timed[-1].b_dur_ns] if timed else [],
         "fingerprints": [(f.step, f.reason, f.cost_ns) for f in fps],
         "dropped": beats[-1].dropped_queue + beats[-1].dropped_send if beats else None,
+    }
+
+
+def check_hot_path() -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import ddpscope
+    from ddpscope.hooks import attach as attach_mod
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["DDPSCOPE_ENDPOINT"] = f"ipc://{tmp}/s"
+        os.environ["DDPSCOPE_CHECKSUM_EVERY"] = "-1"  # fingerprints allocate by design
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        try:
+
+            def make() -> DDP:
+                torch.manual_seed(0)
+                net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).cuda()
+                return DDP(net, device_ids=[0], bucket_cap_mb=4)
+
+            plain, watched = make(), make()
+            handle = ddpscope.attach(watched)
+            opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
+            x = torch.randn(256, 1024, device="cuda")
+
+            def train(m: DDP, n: int) -> None:
+                opt = opts[id(m)]
+                for _ in range(n):
+                    opt.zero_grad(set_to_none=False)
+                    m(x).square().mean().backward()
+                    opt.step()
+
+            def allocations(m: DDP, n: int) -> float:
+                torch.cuda.synchronize()
+                before = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+                train(m, n)
+                torch.cuda.synchronize()
+                after = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
+                return (after - before) / n
+
+            for m in (plain, watched):
+                train(m, 40)  # warm-up: bucket rebuild, the sampling interval settles
+            per_step = {"plain": allocations(plain, 64), "watched": allocations(watched, 64)}
+            synced = {}
+            for name, m in (("plain", plain), ("watched", watched)):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    train(m, 64)  # covers timed and untimed bucket steps
+                    synced[name] = ""
+                except RuntimeError as exc:
+                    synced[name] = str(exc)[:300]
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+            every = handle.tracker.bucket_every
+            attach_mod._reset_for_tests()
+        finally:
+            dist.destroy_process_group()
+    return {
+        "ok": not synced["watched"] and per_step["watched"] <= per_step["plain"],
+        "allocations_per_step": per_step,
+        "synchronising_call": synced,
+        "bucket_every": every,
     }
 
 
@@ -117,7 +192,7 @@ def main() -> int:
         return 2
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     for name, fn in (("digests", check_digests), ("event_clock", check_event_clock),
-                     ("ddp_job", check_job)):  # fmt: skip
+                     ("ddp_job", check_job), ("hot_path", check_hot_path)):  # fmt: skip
         try:
             result[name] = fn()
         except Exception as exc:  # report every check, even after one fails

@@ -1,12 +1,20 @@
-"""What ddpscope's hooks cost per step and per bucket, in microseconds.
+"""What ddpscope's hooks cost per step and per bucket, in microseconds, with intervals.
 
 One process, world size 1 (gloo), two identical DDP models of tiny layers,
 one attached and one not. Blocks of steps alternate between them, so noise
-hits both; the per-step difference of the block medians is the hook cost.
-Run with 1 bucket and with many to split the cost into a per-step part and
-a per-bucket part.
+hits both; each adjacent pair of blocks gives one difference per step. Run
+with 1 bucket and with ``--layers`` buckets (one per layer): the 1-bucket
+difference is the per-step cost, and the growth from 1 to N buckets over
+N - 1 is the per-bucket cost over DDP's own C++ path (the plain model has no
+comm hook). Each figure comes with a 95% bootstrap interval.
 
-    python -m benchmarks.hook_cost
+Two clocks: wall time (what training loses, contention for the GIL with
+ddpscope's publisher thread included) and the training thread's own CPU
+time (``time.thread_time_ns``: what the hooks themselves execute, and
+nearly blind to other processes on a shared machine). Short blocks, many
+of them: two adjacent blocks see the same machine.
+
+    python -m benchmarks.hook_cost [--record] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
+from benchmarks.stats import bootstrap_ci, slope_ci
 from ddpscope.hooks import attach as attach_mod
 
 
@@ -36,63 +45,88 @@ def make(layers: int, one_bucket: bool) -> DDP:
     return DDP(net, bucket_cap_mb=cap)
 
 
-def block(model: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int) -> float:
-    t0 = time.perf_counter_ns()
+def block(
+    model: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int
+) -> tuple[float, float]:
+    """(wall, training-thread CPU) us per step."""
+    c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
     for _ in range(steps):
         model(x).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-    return (time.perf_counter_ns() - t0) / steps / 1e3  # us per step
+    t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
+    return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3
 
 
-def measure(layers: int, one_bucket: bool, blocks: int, steps: int) -> dict[str, float]:
+def measure(layers: int, one_bucket: bool, blocks: int, steps: int, every: int) -> dict:
     plain, watched = make(layers, one_bucket), make(layers, one_bucket)
     handle = ddpscope.attach(watched)
+    tracker = handle.tracker if isinstance(handle, attach_mod.Handle) else None
+    if every and tracker is not None:
+        tracker.fixed_every = every
     opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
     x = torch.randn(4, 16)
     for m in (plain, watched):  # warm up, and let DDP rebuild its buckets
-        block(m, opts[id(m)], x, 20)
-    without, with_ = [], []
+        block(m, opts[id(m)], x, 50)
+    got: dict[str, list[tuple[float, float]]] = {"with": [], "without": []}
     for i in range(blocks):
         order = (plain, watched) if i % 2 == 0 else (watched, plain)
         for m in order:
-            t = block(m, opts[id(m)], x, steps)
-            (with_ if m is watched else without).append(t)
-    buckets = len(handle.tracker._layout) if isinstance(handle, attach_mod.Handle) else 0
-    diffs = [w - o for w, o in zip(with_, without, strict=True)]
-    return {
-        "layers": layers,
-        "buckets": buckets,
-        "step_without_us": statistics.median(without),
-        "step_with_us": statistics.median(with_),
-        "hook_cost_us": statistics.median(diffs),
-    }
+            got["with" if m is watched else "without"].append(block(m, opts[id(m)], x, steps))
+    buckets = len(tracker._layout) if tracker is not None else 0
+    out: dict = {"layers": layers, "buckets": buckets}
+    if tracker is not None:
+        out["bucket_every"] = getattr(tracker, "fixed_every", None) or getattr(
+            tracker, "bucket_every", 1
+        )
+    for k, name in ((0, "wall"), (1, "cpu")):
+        w = [b[k] for b in got["with"]]
+        o = [b[k] for b in got["without"]]
+        diffs = [a - b for a, b in zip(w, o, strict=True)]
+        out[name] = {
+            "step_without_us": statistics.median(o),
+            "step_with_us": statistics.median(w),
+            "cost_us": statistics.median(diffs),
+            "cost_ci_us": bootstrap_ci(diffs),
+            "diffs_us": diffs,
+        }
+    return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--blocks", type=int, default=15)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--blocks", type=int, default=201)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument(
+        "--every", type=int, default=0, help="hold bucket detail to every Nth step (0: adapt)"
+    )
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--record", action="store_true", help="the attached model records to disk")
     p.add_argument("--json", default="")
     args = p.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["DDPSCOPE_ENDPOINT"] = f"ipc://{tmp}/sock"
         os.environ["DDPSCOPE_CHECKSUM_EVERY"] = "-1"  # fingerprints are measured apart
+        if args.record:
+            os.environ["DDPSCOPE_RECORD"] = f"{tmp}/rec"
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
-        one = measure(args.layers, True, args.blocks, args.steps)
+        one = measure(args.layers, True, args.blocks, args.steps, args.every)
         attach_mod._reset_for_tests()
-        many = measure(args.layers, False, args.blocks, args.steps)
+        many = measure(args.layers, False, args.blocks, args.steps, args.every)
         attach_mod._reset_for_tests()
         dist.destroy_process_group()
-    per_bucket = (many["hook_cost_us"] - one["hook_cost_us"]) / max(1, many["buckets"] - 1)
-    result = {
-        "one_bucket": one,
-        "many_buckets": many,
-        "per_step_us": one["hook_cost_us"],
-        "per_bucket_us": per_bucket,
-    }
+    result: dict = {"one_bucket": one, "many_buckets": many, "record": args.record}
+    for name in ("wall", "cpu"):
+        per_bucket, per_bucket_ci = slope_ci(
+            one[name].pop("diffs_us"), many[name].pop("diffs_us"), max(1, many["buckets"] - 1)
+        )
+        result[name] = {
+            "per_step_us": one[name]["cost_us"],
+            "per_step_ci_us": one[name]["cost_ci_us"],
+            "per_bucket_us": per_bucket,
+            "per_bucket_ci_us": per_bucket_ci,
+        }
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -188,6 +188,13 @@ class Step(Message):
     b_nbytes: list[int] = field(default_factory=list)
     b_offset_ns: list[int] = field(default_factory=list)
     b_dur_ns: list[int] = field(default_factory=list)
+    #: The arrays above were measured in this step. Bucket detail is sampled
+    #: (every ``b_every``-th step, a power of two, and the first steps); a step
+    #: between samples has ``b_detail`` false and empty arrays. Its phases,
+    #: ``comm_wait_ns`` included, are measured as always.
+    b_detail: bool = True
+    #: Steps between two detailed ones when this step began (1: every step).
+    b_every: int = 1
     #: Clock that timed the step: "cpu" or "cuda".
     clock: str = "cpu"
     #: Time the training thread was blocked in DDP's own collectives outside backward

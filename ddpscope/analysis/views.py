@@ -292,7 +292,10 @@ def _recent_complete_steps(run: RunState, wanted: int) -> list[int]:
 
 
 def bucket_matrix(run: RunState) -> BucketMatrix | None:
-    steps = _recent_complete_steps(run, BUCKET_STEPS)
+    # Bucket timing is sampled: only steps every rank timed per bucket count.
+    recent = _recent_complete_steps(run, 64)
+    steps = [s for s in recent if all(st.b_detail for st in run.by_step[s].values())]
+    steps = steps[:BUCKET_STEPS]
     if not steps:
         return None
     ranks = sorted({r for s in steps for r in run.by_step[s]})
@@ -384,7 +387,9 @@ def collective_rows(s: Step) -> tuple[CollectiveRow, ...]:
                 nbytes=sum(s.b_nbytes) if s.b_nbytes else -1,
                 offset_ms=min(s.b_offset_ns) / 1e6 if s.b_offset_ns else -1.0,
                 blocked_ms=s.comm_wait_ns / 1e6,
-                site=f"DDP gradients, {n} bucket{'s' if n != 1 else ''}",
+                site=f"DDP gradients, {n} bucket{'s' if n != 1 else ''}"
+                if s.b_detail
+                else f"DDP gradients, buckets timed every {s.b_every} steps",
             )
         )
     for op, cls, group, nbytes, offset, dur, site in zip(

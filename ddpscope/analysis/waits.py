@@ -33,9 +33,13 @@ def bucket_waits(row: dict[int, Step]) -> dict[int, int] | None:
     ``wait(r,k) = dur(r,k) - transfer_k``. Buckets in flight together wait for
     the same late rank, so a rank's wait is the largest of its bucket waits
     (not their sum), capped by the time it was actually blocked when that was
-    measured. None when the ranks' bucket sets differ (before DDP's rebuild).
+    measured. None when the ranks' bucket sets differ (before DDP's rebuild)
+    or some rank did not time its buckets in this step (``b_detail``: bucket
+    timing is sampled).
     """
     steps = list(row.values())
+    if not all(s.b_detail for s in steps):
+        return None
     order = steps[0].b_index
     if all(s.b_index == order for s in steps):
         cols = list(zip(*(s.b_dur_ns for s in steps), strict=True))

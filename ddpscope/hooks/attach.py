@@ -38,7 +38,7 @@ from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.samplers import SamplerProbe
 from ddpscope.hooks.steps import StepTracker
-from ddpscope.schema import SCHEMA_VERSION
+from ddpscope.schema import SCHEMA_VERSION, BucketLayout, Fingerprint, HParams, RunInfo
 
 log = logging.getLogger("ddpscope")
 #: Signals that end a rank with an end message (reason "signal") on the way out.
@@ -271,7 +271,7 @@ class Handle:
             model._compiled_call_impl = self.wrap_compiled_call(
                 model._compiled_call_impl, announce=False
             )
-        self.publisher.post("run_info", index, self._run_info())
+        self.publisher.post(RunInfo.KIND, index, self._run_info())
         if opts.checksum_every != -1:
             self._fingerprint(0, "initial")
 
@@ -327,7 +327,7 @@ class Handle:
             ),
         ]
         self._info["compiled"] = "torch.compile(ddp_model)"
-        self.publisher.post("run_info", self.index, self._run_info())
+        self.publisher.post(RunInfo.KIND, self.index, self._run_info())
 
     def wrap_compiled_call(
         self, compiled_fn: Callable[..., Any], announce: bool = True
@@ -356,7 +356,7 @@ class Handle:
         compiled.run_eagerly(call)
         self._info["compiled"] = "ddp_model.compile()"
         if announce:
-            self.publisher.post("run_info", self.index, self._run_info())
+            self.publisher.post(RunInfo.KIND, self.index, self._run_info())
         return call
 
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
@@ -373,7 +373,7 @@ class Handle:
 
     def _fingerprint(self, step: int, reason: str) -> None:
         if self.guard(self.fingerprinter.start, step, reason):
-            self.publisher.post("fingerprint", self.index, None, self._finish_fingerprint)
+            self.publisher.post(Fingerprint.KIND, self.index, None, self._finish_fingerprint)
 
     def _run_info(self) -> dict[str, Any]:
         fields = dict(self._info)
@@ -381,12 +381,12 @@ class Handle:
         return fields
 
     def periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
-        out = [("run_info", self.index, self._run_info())]
+        out = [(RunInfo.KIND, self.index, self._run_info())]
         if self.tracker.layout_gen:
-            out.append(("buckets", self.index, self.tracker.layout_fields()))
+            out.append((BucketLayout.KIND, self.index, self.tracker.layout_fields()))
         if self._hparams:
             fields = {"step": self._hparams_step, "optimizers": self._hparams}
-            out.append(("hparams", self.index, fields))
+            out.append((HParams.KIND, self.index, fields))
         return out
 
     def _on_step_end(self, step: int) -> None:
@@ -397,7 +397,8 @@ class Handle:
             self._hparams_key = key
             self._hparams = hparams(opts)
             self._hparams_step = step
-            self.publisher.post("hparams", self.index, {"step": step, "optimizers": self._hparams})
+            fields = {"step": step, "optimizers": self._hparams}
+            self.publisher.post(HParams.KIND, self.index, fields)
         fp = self.fingerprinter
         if fp.due(step, self.tracker.median_step_ns()):
             self._fingerprint(step, fp.pending_reason)

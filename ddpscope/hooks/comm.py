@@ -9,6 +9,13 @@ The wrapper stamps the clock when the bucket is handed over and again in the
 Future's ``then`` callback: on gloo that callback runs when the reduction is
 done; on NCCL it runs once the work is enqueued on the stream, which is why
 the stamp there is a CUDA event read later, never a host time.
+
+Per-bucket detail is sampled (see ``StepTracker.bucket_every``): between
+detailed steps the wrapper takes an untimed path that does no more than
+DDP's default hook does, minus its Python layers. A Python comm hook cannot
+be swapped for DDP's C++ one after the first backward, and its result must
+be a Python object (the reducer asserts it), so a hook entry and one
+``then`` callback per bucket are the floor of this path.
 """
 
 # No ``from __future__ import annotations`` here: DDP inspects the hook's
@@ -16,6 +23,7 @@ the stamp there is a CUDA event read later, never a host time.
 
 import functools
 import logging
+import time
 from typing import Any
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -63,26 +71,54 @@ def _direct_done(ends, pos, stamp, fut):
     return fut.value()[0]
 
 
+def _first(fut):
+    return fut.value()[0]
+
+
 def timed_hook(state, bucket):
     tracker = state.tracker
     if tracker is None:
         return state.inner(state.inner_state, bucket)
+    direct = state.direct
+    if tracker.cheap:
+        # A step between samples: what the heartbeat needs (the bucket a hang
+        # is stuck at), then the all-reduce alone.
+        tracker.state.bucket = bucket.index()
+        if direct is not None:
+            tensor = bucket.buffer()
+            if not tensor.is_complex():
+                group, size = direct
+                if size != 1:  # x / 1 is x: a pass over the bucket saved
+                    tensor.div_(size)
+                return group.allreduce([tensor]).get_future().then(_first)
+        return state.inner(state.inner_state, bucket)
+    began = time.perf_counter_ns()
     slot = tracker.bucket_start(bucket)
     if slot is None:
         return state.inner(state.inner_state, bucket)
     ends, pos = slot
-    direct = state.direct
     if direct is not None:
         tensor = bucket.buffer()
         if not tensor.is_complex():  # dist.all_reduce views complex as real; leave it that
             group, size = direct
             # The same arithmetic as default_hooks.allreduce_hook (and DDP's
             # built-in path): divide, then sum.
-            tensor.div_(size)
+            if size != 1:
+                tensor.div_(size)
+            # What the timing adds, not the launch every path pays (on gloo the
+            # launch can take tens of us: it hands the work to another thread).
+            launch = time.perf_counter_ns()
             fut = group.allreduce([tensor]).get_future()
-            return fut.then(functools.partial(_direct_done, ends, pos, tracker.clock.stamp))
+            back = time.perf_counter_ns()
+            fut = fut.then(functools.partial(_direct_done, ends, pos, tracker.clock.stamp))
+            tracker.detail_ns += time.perf_counter_ns() - back + launch - began
+            return fut
+    launch = time.perf_counter_ns()
     fut = state.inner(state.inner_state, bucket)
-    return fut.then(functools.partial(_bucket_done, ends, pos, tracker.clock.stamp))
+    back = time.perf_counter_ns()
+    fut = fut.then(functools.partial(_bucket_done, ends, pos, tracker.clock.stamp))
+    tracker.detail_ns += time.perf_counter_ns() - back + launch - began
+    return fut
 
 
 _BUILTIN = {

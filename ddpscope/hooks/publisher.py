@@ -3,10 +3,10 @@
 Hooks on the training path call :meth:`Publisher.post`, which appends a tuple
 to a bounded deque or counts a drop: no lock, no encoding, no I/O. This
 thread owns the ZeroMQ sockets and the record file; it wakes every tick,
-turns queued items into wire messages, writes each to the record file and
-sends it without blocking. It also sends heartbeats and host stats, re-sends
-run info for late watchers, answers the watcher's requests, and sends the
-Python stacks of a rank stuck in one phase.
+turns queued items into wire messages, sends each without blocking, and
+writes the tick's records to the file in one write. It also sends
+heartbeats and host stats, re-sends run info for late watchers, answers the
+watcher's requests, and sends the Python stacks of a rank stuck in one phase.
 """
 
 from __future__ import annotations
@@ -26,7 +26,16 @@ from ddpscope.config import Options
 from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.stacks import all_thread_stacks
 from ddpscope.record.writer import RecordWriter
-from ddpscope.schema import REQUESTS, Request, SchemaError, decode, encode_fields
+from ddpscope.schema import (
+    REQUESTS,
+    End,
+    Heartbeat,
+    Request,
+    SchemaError,
+    Stacks,
+    decode,
+    encode_fields,
+)
 from ddpscope.transport.security import HandshakeWatch
 from ddpscope.transport.sockets import rank_control, rank_publisher
 
@@ -127,6 +136,8 @@ class Publisher:
         self.error = ""
         self._stuck_key: tuple[str, int] | None = None
         self._writer: RecordWriter | None = None
+        #: Records of the current tick, written together by _write_records.
+        self._unwritten: list[bytes] = []
         if opts.record:
             self._writer = _open_record(opts.record, run_id, rank, header)
         keys = opts.client_keys()
@@ -214,6 +225,7 @@ class Publisher:
                 if now >= next_beat:
                     next_beat = now + self.opts.heartbeat_s
                     self._heartbeat()
+                self._write_records()
         except Exception as exc:  # never let an error reach training
             self._fail(exc)
 
@@ -266,19 +278,7 @@ class Publisher:
         fields.setdefault("t", time.monotonic_ns())
         payload = encode_fields(kind, fields)
         if record and self._writer is not None:
-            try:
-                self._writer.append(payload)
-            except OSError as exc:  # disk full, directory gone: keep the live stream
-                log.warning(
-                    "ddpscope: rank %d stopped recording (%s); %s is readable up to its last "
-                    "record, training and live telemetry go on",
-                    self.rank,
-                    exc,
-                    self._writer.path,
-                )
-                self.error = f"recording stopped: {exc}"
-                self._writer.close()
-                self._writer = None
+            self._unwritten.append(payload)
         if self._held is not None:
             if len(self._held) < HOLD_MAX:
                 self._held.append(payload)
@@ -286,6 +286,27 @@ class Publisher:
                 self.dropped_send += 1
             return
         self._send(payload)
+
+    def _write_records(self) -> None:
+        pending = self._unwritten
+        if not pending:
+            return
+        self._unwritten = []
+        if self._writer is None:
+            return
+        try:
+            self._writer.append_many(pending)
+        except OSError as exc:  # disk full, directory gone: keep the live stream
+            log.warning(
+                "ddpscope: rank %d stopped recording (%s); %s is readable up to its last "
+                "record, training and live telemetry go on",
+                self.rank,
+                exc,
+                self._writer.path,
+            )
+            self.error = f"recording stopped: {exc}"
+            self._writer.close()
+            self._writer = None
 
     def _send(self, payload: bytes) -> None:
         try:
@@ -321,7 +342,7 @@ class Publisher:
             fields["coll_class"] = st.coll_class
             fields["coll_site"] = st.coll_site
         fields.update(self._host.sample())
-        self._emit("heartbeat", 0, fields, record=True)
+        self._emit(Heartbeat.KIND, 0, fields, record=True)
         # Any phase can hang, user code ("idle") included: a rank asleep there
         # is exactly the one the others wait for.
         busy = st.phase != "exited"
@@ -338,7 +359,7 @@ class Publisher:
             "step": st.step,
             "threads": all_thread_stacks(skip_ident=threading.get_ident()),
         }
-        self._emit("stacks", 0, fields, record=True)
+        self._emit(Stacks.KIND, 0, fields, record=True)
 
     def _renew_control(self) -> None:
         """A new control socket in place of one whose connection dropped.
@@ -412,7 +433,9 @@ class Publisher:
             self._drain(force=True)
             self.state.enter("exited")
             self._heartbeat()  # final counters (drops, join shadows) into the record
-            self._emit("end", 0, {"reason": reason, "step": self.state.step, "error": error}, True)
+            end = {"reason": reason, "step": self.state.step, "error": error}
+            self._emit(End.KIND, 0, end, True)
+            self._write_records()
             if self._held is not None:  # a job shorter than the grace period
                 self._read_subscriptions()
                 self._release_held()
@@ -421,6 +444,10 @@ class Publisher:
         self._shutdown_io()
 
     def _shutdown_io(self) -> None:
+        try:
+            self._write_records()
+        except Exception:
+            pass
         if self._writer is not None:
             self._writer.close()
         self.handshakes.close()
@@ -433,9 +460,8 @@ class Publisher:
         )
         self._alive = False
         try:
-            self._emit(
-                "end", 0, {"reason": "disabled", "step": self.state.step, "error": self.error}, True
-            )
+            end = {"reason": "disabled", "step": self.state.step, "error": self.error}
+            self._emit(End.KIND, 0, end, True)
         except Exception:
             pass
         self._shutdown_io()

@@ -59,7 +59,15 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpscope.hooks import compiled
-from ddpscope.schema import COLLECTIVE_OPS, DDP_BUFFERS
+from ddpscope.schema import (
+    COLLECTIVE_OPS,
+    DDP_BUFFERS,
+    BatchInfo,
+    Collectives,
+    DataParallelSeen,
+    SaveCall,
+    Shutdown,
+)
 
 log = logging.getLogger("ddpscope")
 
@@ -210,12 +218,16 @@ def batchnorm_layers(module: nn.Module) -> list[str]:
     ]
 
 
+#: Where a batch was found, made once: batch_of runs in every training forward.
+_ARG_NAMES = tuple(f"args[{i}]" for i in range(8))
+
+
 def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, str]:
     """The first dimension of a forward's first tensor input, and where it was found."""
     for i, a in enumerate(args[:8]):
         if isinstance(a, torch.Tensor):
             if a.dim() > 0:
-                return int(a.shape[0]), f"args[{i}]"
+                return int(a.shape[0]), _ARG_NAMES[i]
         elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
             if a[0].dim() > 0:
                 return int(a[0].shape[0]), f"args[{i}][0]"
@@ -303,7 +315,7 @@ class ModelWatch:
     def _post_batch(self, size: int, source: str) -> None:
         layers = batchnorm_layers(self.model.module)
         self.probe.post_model(
-            "batch",
+            BatchInfo.KIND,
             self.index,
             {
                 "step": self.probe.current_step(),
@@ -371,7 +383,7 @@ class RecipeProbe:
                     self._post_counts(steps, final=True)
                 alive = dist.is_available() and dist.is_initialized()
                 self._post(
-                    "shutdown",
+                    Shutdown.KIND,
                     {"step": steps, "pg_initialized": alive, "destroy_site": self._destroy_site},
                 )
         except Exception as exc:
@@ -442,7 +454,7 @@ class RecipeProbe:
         # dict() copies atomically under the GIL, even while another thread counts.
         snapshot = dict(self._counts)
         payload = (steps, final, snapshot)
-        self.post_model("collectives", 0, payload, _counts_fields)
+        self.post_model(Collectives.KIND, 0, payload, _counts_fields)
 
     # --- torch.save ------------------------------------------------------------------
 
@@ -462,7 +474,7 @@ class RecipeProbe:
                 "what": what,
                 "key": key,
             }
-            self._post("save", fields)
+            self._post(SaveCall.KIND, fields)
         except Exception as exc:
             self.disable(exc)
 
@@ -531,7 +543,7 @@ class RecipeProbe:
             "device_ids": ids,
             "inside_ddp": inside,
         }
-        self._post("dataparallel", fields)
+        self._post(DataParallelSeen.KIND, fields)
 
 
 def _counts_fields(payload: tuple[int, bool, dict[CountKey, int]], force: bool) -> dict[str, Any]:

@@ -116,6 +116,7 @@ from torch.utils.data import dataloader as _torch_dataloader
 
 __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"]
 
+from ddpscope.schema import SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
 
 _log = logging.getLogger("ddpscope")
@@ -579,7 +580,7 @@ class SamplerProbe:
                 drop_last=drop_last,
                 padded=padded_count(source_len, replicas, rank, drop_last),
             )
-        self._post("sampler_pass", fields)
+        self._post(SamplerPass.KIND, fields)
         if isinstance(dataset, IterableDataset):
             # Its sampler yields None forever; there are no indices to follow.
             self._end(rec, False)
@@ -647,7 +648,7 @@ class SamplerProbe:
             rec.open = False
             rec.token = None
             self._open.pop(rec.gid, None)
-        self._post("sampler_pass_end", rec.end_fields(int(self._current_step()), complete))
+        self._post(SamplerPassEnd.KIND, rec.end_fields(int(self._current_step()), complete))
 
     # --- failure -------------------------------------------------------------
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -51,7 +52,8 @@ import torch
 
 from ddpscope.hooks.clocks import Clock
 from ddpscope.hooks.publisher import Publisher
-from ddpscope.schema import MAX_STEP_COLLECTIVES
+from ddpscope.hooks.records import Collective, Interval, StepRecord
+from ddpscope.schema import MAX_STEP_COLLECTIVES, BucketLayout, Step
 
 log = logging.getLogger("ddpscope")
 
@@ -70,6 +72,14 @@ _MAX_TIMED_COLLECTIVES = 1024
 #: Steps during which every bucket's parameters are mapped; DDP rebuilds its
 #: buckets during the second iteration, so a few steps cover the rebuild.
 _MAP_STEPS = 3
+
+#: Share of step time the per-bucket detail may take on average: the
+#: interval between detailed steps grows until it fits.
+BUCKET_BUDGET = 0.0025
+#: Most steps between two with bucket detail (a power of two, so ranks that
+#: pick different intervals still share the steps of the largest one, and the
+#: watcher's bucket view always has a detailed step among the newest 64).
+MAX_BUCKET_EVERY = 32
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -109,8 +119,21 @@ class StepTracker:
         self.sampler_state = sampler_state
         self.enabled = True
         self.step = 0
+        #: Steps between two that carry per-bucket detail; adapted in _close.
+        self.bucket_every = 1
+        #: Set (benchmarks, tests) to hold the interval instead of adapting it.
+        self.fixed_every: int | None = None
+        #: The current step is timed per bucket.
+        self.detail = True
+        #: Buckets of this backward take the comm hook's untimed path: set while
+        #: a backward of a step without detail runs (read by comm.timed_hook).
+        self.cheap = False
+        #: Training-thread ns spent in the comm hook on the current detailed
+        #: step (written by comm.timed_hook), and its running estimate.
+        self.detail_ns = 0
+        self._detail_cost = -1.0
         self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
-        self._opt_relevant: dict[int, tuple[bool, bool]] = {}
+        self._opt_relevant: dict[int, tuple[bool, bool, weakref.ref[Any]]] = {}
         self.optimizers: dict[int, Any] = {}
         # layout of the buckets: generation, {index: nbytes}, param lists
         self.layout_gen = 0
@@ -120,6 +143,7 @@ class StepTracker:
         self._layout_dirty = False
         self._layout_step = 0
         self._recent: list[int] = []
+        self._median = 0
         self._new_step(None)
         self._prev_end: int | None = None
         self._eval_start = 0
@@ -139,7 +163,11 @@ class StepTracker:
 
     def _new_step(self, start: int | None) -> None:
         self._start = start
-        self._iv: list[tuple[int, int, int]] = []
+        every = self.bucket_every if self.fixed_every is None else self.fixed_every
+        self.detail = self.step < _MAP_STEPS or self.step % every == 0
+        self.cheap = False
+        self.detail_ns = 0
+        self._iv: list[Interval] = []
         self._b_index: list[int] = []
         self._b_nbytes: list[int] = []
         self._b_start: list[int] = []
@@ -149,8 +177,7 @@ class StepTracker:
         self._synced = False
         self._opt = 0
         self._eval_ns = 0
-        #: (is_ddp, op, group, nbytes, site, start token, end token, in_eval)
-        self._c: list[tuple[bool, str, str, int, str, int, int, bool]] = []
+        self._c: list[Collective] = []
         self._c_lost = 0
         self._join = False
 
@@ -214,6 +241,17 @@ class StepTracker:
             self._open.append(top)  # not ours to close (should not happen)
         self._prev_end = t
         self.state.enter("idle")
+        if type(output) is torch.Tensor:
+            # The usual case. A pre-hook on the output's node runs when its
+            # gradient arrives, as the multi-grad hook would, at a fifth of the
+            # cost (measured with timeit: ~5 us against ~27 us per forward).
+            if output.requires_grad:
+                node = output.grad_fn
+                if node is not None:
+                    node.register_prehook(self._backward_begin)
+                else:  # a leaf: nothing computed it
+                    output.register_hook(self._backward_begin)
+            return
         outs = _grad_outputs(output)
         if outs:
             torch.autograd.graph.register_multi_grad_hook(outs, self._backward_begin, mode="any")
@@ -226,6 +264,7 @@ class StepTracker:
         self._bwd_start = self.stamp()
         self._suspend(self._bwd_start)
         self._bwd_sync = self._fwd_sync
+        self.cheap = not self.detail
         self.state.enter("backward")
         _queue_callback(self._after_compute)
 
@@ -242,6 +281,7 @@ class StepTracker:
         self._iv.append((BACKWARD, start, self._compute_end))
         self._iv.append((WAIT, self._compute_end, t))
         self._bwd_start = None
+        self.cheap = False
         self._prev_end = t
         self._bwd += 1
         if self._bwd_sync:
@@ -262,6 +302,9 @@ class StepTracker:
                 return None
             if self._bwd_start is None:
                 self._backward_begin()  # outputs carried no grad hook
+                if not self.detail:  # the rest of this backward takes the untimed path
+                    self.state.bucket = bucket.index()
+                    return None
             t = self.stamp()
             index = bucket.index()
             buf = bucket.buffer()
@@ -316,13 +359,15 @@ class StepTracker:
     def _relevance(self, opt: Any) -> tuple[bool, bool]:
         key = id(opt)
         known = self._opt_relevant.get(key)
-        if known is None:
+        if known is None or known[2]() is not opt:
+            # Also when the id is an optimizer's that is gone: a new one (another
+            # model's, freed, then this model's) can be made at the same address.
             ids = {id(p) for g in opt.param_groups for p in g["params"]}
-            known = (bool(ids & self.trainable), self.trainable <= ids)
+            known = (bool(ids & self.trainable), self.trainable <= ids, weakref.ref(opt))
             self._opt_relevant[key] = known
             if known[0]:
                 self.optimizers[key] = opt
-        return known
+        return known[0], known[1]
 
     def optimizer_pre(self, opt: Any) -> None:
         if not self.enabled or not self._relevance(opt)[0]:
@@ -396,7 +441,8 @@ class StepTracker:
                 self._layout_dirty = True
         if self._layout_dirty:
             self._post_layout()
-        payload = (
+        every = self.bucket_every if self.fixed_every is None else self.fixed_every
+        record = StepRecord(
             self.step,
             self._start,
             end,
@@ -414,12 +460,21 @@ class StepTracker:
             self._c,
             self._c_lost,
             self._join,
+            self.detail,
+            every,
         )
-        self.pub.post("step", self.model_index, payload, self.finish)
+        self.pub.post(Step.KIND, self.model_index, record, self.finish)
         recent = self._recent
         recent.append(self.clock.host_ns(end) - self.clock.host_ns(self._start))
         if len(recent) > 32:
             del recent[0]
+        if self.step % 8 == 0 or len(recent) < 32:
+            # Sorted every 8th step only: the consumers (sampling intervals)
+            # react to trends, not to one step.
+            ordered = sorted(recent)
+            self._median = ordered[len(ordered) // 2]
+        if self.detail and self._b_index:
+            self._adapt_bucket_every(self.detail_ns)
         self.step += 1
         self.state.step = self.step
         self.state.bucket = -1
@@ -437,16 +492,37 @@ class StepTracker:
         if self._synced or self._bwd:
             self._close(self._prev_end if self._prev_end is not None else self.stamp())
 
+    def _adapt_bucket_every(self, cost_ns: int) -> None:
+        """Space detailed steps so their hook time stays within BUCKET_BUDGET.
+
+        ``cost_ns`` is the training-thread time the comm hook took on a
+        detailed step. It includes the all-reduce launch every step pays, so
+        the interval errs long; a smoothed value keeps one slow step (a page
+        fault, a neighbour) from doubling it.
+        """
+        if self.step < _MAP_STEPS:
+            return
+        est = self._detail_cost
+        est = float(cost_ns) if est < 0 else 0.75 * est + 0.25 * cost_ns
+        self._detail_cost = est
+        median = self.median_step_ns()
+        if median <= 0:
+            return
+        need = est / (BUCKET_BUDGET * median)
+        every = 1
+        while every < need and every < MAX_BUCKET_EVERY:
+            every *= 2
+        self.bucket_every = every
+
     def median_step_ns(self) -> int:
-        recent = sorted(self._recent)
-        return recent[len(recent) // 2] if recent else 0
+        return self._median
 
     def _post_layout(self) -> None:
         self._layout_dirty = False
         self.layout_gen += 1
         self._layout_step = self.step
         indices = sorted(self._layout)
-        self.pub.post("buckets", self.model_index, self.layout_fields(indices))
+        self.pub.post(BucketLayout.KIND, self.model_index, self.layout_fields(indices))
 
     def layout_fields(self, indices: list[int] | None = None) -> dict[str, Any]:
         indices = sorted(self._layout) if indices is None else indices
@@ -461,26 +537,9 @@ class StepTracker:
 
     # --- publisher thread ----------------------------------------------------
 
-    def finish(self, payload: tuple[Any, ...], force: bool) -> dict[str, Any] | None:
-        (
-            step,
-            start,
-            end,
-            iv,
-            b_index,
-            b_nbytes,
-            b_start,
-            b_end,
-            bwd,
-            opt,
-            epoch,
-            lpass,
-            gen,
-            evaluated,
-            colls,
-            colls_lost,
-            joined,
-        ) = payload
+    def finish(self, rec: StepRecord, force: bool) -> dict[str, Any] | None:
+        iv, b_start, b_end, colls = rec.intervals, rec.b_start, rec.b_end, rec.collectives
+        start, end = rec.start, rec.end
         clock = self.clock
         if -1 in b_end and not force:
             return None
@@ -506,32 +565,34 @@ class StepTracker:
             spans.append((kind, lo, hi))
         # Evaluation between steps falls inside the gap before the next
         # forward; it is not waiting for data, so it moves to "other".
-        data = max(0, data - evaluated)
+        data = max(0, data - rec.eval_ns)
         sync_wait, coll_wait, data_out = self._collective_waits(colls, at, spans, sums)
         data = max(0, data - data_out)
         offsets = [at[t] - t_start for t in b_start]
         durations = [at[e] - at[s] if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
         accounted = data + sum(sums.values()) + sync_wait + coll_wait
         fields: dict[str, Any] = {
-            "step": step,
+            "step": rec.step,
             "t_start": t_start,
             "t_end": t_end,
             "data_ns": data,
             "other_ns": max(0, t_end - t_start - accounted),
-            "micro_batches": bwd,
-            "optimizer_steps": opt,
-            "epoch": epoch,
-            "loader_pass": lpass,
-            "layout": gen,
-            "b_index": b_index,
-            "b_nbytes": b_nbytes,
+            "micro_batches": rec.micro_batches,
+            "optimizer_steps": rec.optimizer_steps,
+            "epoch": rec.epoch,
+            "loader_pass": rec.loader_pass,
+            "layout": rec.layout,
+            "b_index": rec.b_index,
+            "b_nbytes": rec.b_nbytes,
             "b_offset_ns": offsets,
             "b_dur_ns": durations,
+            "b_detail": rec.b_detail,
+            "b_every": rec.b_every,
             "clock": clock.name,
             "t": t_end,
             "sync_wait_ns": sync_wait,
             "coll_wait_ns": coll_wait,
-            "join": joined,
+            "join": rec.joined,
         }
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
@@ -542,13 +603,13 @@ class StepTracker:
             fields["c_offset_ns"] = [at[c[5]] - t_start for c in listed]
             fields["c_dur_ns"] = [at[c[6]] - at[c[5]] for c in listed]
             fields["c_site"] = [c[4] for c in listed]
-            fields["c_more"] = len(colls) - len(listed) + colls_lost
+            fields["c_more"] = len(colls) - len(listed) + rec.collectives_lost
         fields.update(sums)
         return fields
 
     @staticmethod
     def _collective_waits(
-        colls: list[tuple[bool, str, str, int, str, int, int, bool]],
+        colls: list[Collective],
         at: dict[int, int],
         spans: list[tuple[int, int, int]],
         sums: dict[str, int],
@@ -583,5 +644,6 @@ class StepTracker:
     def fail(self, exc: BaseException) -> None:
         if self.enabled:
             self.enabled = False
+            self.cheap = False
             log.warning("ddpscope disabled on this rank after an internal error: %r", exc)
             self.pub.close("disabled", f"{type(exc).__name__}: {exc}")

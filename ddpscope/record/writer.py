@@ -80,6 +80,23 @@ class RecordWriter:
         self._write(RECORD_HEAD.pack(len(payload), crc32(payload)) + payload)
         self.bytes_written += len(payload) + RECORD_HEAD.size
 
+    def append_many(self, payloads: list[bytes]) -> None:
+        """Several records in one ``os.write``: a publisher tick's worth.
+
+        Fewer system calls, and fewer times the writing thread gives up and
+        retakes the GIL the training thread wants. A failed write still cuts
+        the file back to its last whole record (all of this batch is lost).
+        """
+        if self._fd is None or not payloads:
+            return
+        parts = []
+        for payload in payloads:
+            parts.append(RECORD_HEAD.pack(len(payload), crc32(payload)))
+            parts.append(payload)
+        data = b"".join(parts)
+        self._write(data)
+        self.bytes_written += len(data)
+
     def close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None

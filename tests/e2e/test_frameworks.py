@@ -359,7 +359,8 @@ def test_a_compiled_model_trains_watched_with_no_extra_graph_break(
     assert all(len(ss) == 32 for ss in steps.values())
     assert_phases_add_up(steps)
     for ss in steps.values():
-        assert all(s.b_index and min(s.b_dur_ns) >= 0 for s in ss), "bucket timing"
+        timed = [s for s in ss if s.b_detail]  # bucket timing is sampled
+        assert timed and all(s.b_index and min(s.b_dur_ns) >= 0 for s in timed), "bucket timing"
     # The latest run info of each rank: the first is sent at attach, before the compile.
     infos = [
         [m for m in ms if isinstance(m, RunInfo)][-1] for ms in open_run(str(rec)).messages.values()

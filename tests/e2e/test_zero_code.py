@@ -54,7 +54,10 @@ def _content(msgs: list[Message]) -> dict[str, Any]:
             (b.generation, b.step, b.index, b.nbytes, b.dtype, b.params)
             for b in _of(msgs, BucketLayout)
         ],
-        "bucket_use": [(s.layout, sorted(s.b_index)) for s in _of(msgs, Step)],
+        # Steps timed per bucket under any sampling interval (a power of two up to 32).
+        "bucket_use": [
+            (s.layout, sorted(s.b_index)) for s in _of(msgs, Step) if s.step < 3 or s.step % 32 == 0
+        ],
         "sampler": [(e.pass_id, e.count, e.digest, e.head) for e in _of(msgs, SamplerPassEnd)],
         "fingerprints": [(f.step, f.reason, f.params, f.buffers) for f in _of(msgs, Fingerprint)],
     }

@@ -115,3 +115,22 @@ def test_missing_directory_and_empty_directory_raise(tmp_path: Path) -> None:
         find_runs(str(tmp_path / "nope"))
     with pytest.raises(RecordError, match="holds no ddpscope recording"):
         find_runs(str(tmp_path))
+
+
+def test_a_tick_of_records_goes_out_in_one_write_and_reads_back_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = RecordWriter(str(tmp_path), "run-a", 0, {"run_id": "run-a", "rank": 0, "wall_ns": 1})
+    writes: list[int] = []
+    real_write = os.write
+
+    def counting_write(fd: int, data: bytes | memoryview) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", counting_write)
+    w.append_many([encode(_beat(i)) for i in range(6)])
+    monkeypatch.undo()
+    w.close()
+    assert len(writes) == 1 and writes[0] == w.bytes_written
+    assert [m.seq for m in open_run(str(tmp_path)).messages[0]] == list(range(6))

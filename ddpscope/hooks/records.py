@@ -1,0 +1,48 @@
+"""What the training thread hands the publisher thread for one step.
+
+A NamedTuple rather than a dataclass: it is built once per step on the
+training thread, and a NamedTuple is a tuple underneath (measured with
+timeit, 17 fields: a bare tuple 43 ns, this 290 ns, a slotted dataclass
+231 ns with mutability nobody needs; the step's other savings pay for it
+many times over, see docs/benchmarks.md). Fields hold clock tokens, not
+times: the publisher thread resolves them (CUDA events) in
+:meth:`ddpscope.hooks.steps.StepTracker.finish`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+#: One phase interval: (phase constant, start token, end token).
+Interval = tuple[int, int, int]
+#: One timed collective: (is DDP's, op, group, bytes, call site, start token,
+#: end token, ran inside an evaluation forward).
+Collective = tuple[bool, str, str, int, str, int, int, bool]
+
+
+class StepRecord(NamedTuple):
+    step: int
+    start: int
+    end: int
+    intervals: list[Interval]
+    b_index: list[int]
+    b_nbytes: list[int]
+    b_start: list[int]
+    #: End tokens, -1 until the bucket's Future completes (written from its callback).
+    b_end: list[int]
+    micro_batches: int
+    optimizer_steps: int
+    epoch: int
+    loader_pass: int
+    layout: int
+    eval_ns: int
+    collectives: list[Collective]
+    collectives_lost: int
+    joined: bool
+    #: The bucket arrays were measured this step (False between samples: empty).
+    b_detail: bool
+    #: Steps between two with bucket detail, as chosen when this step began.
+    b_every: int
+
+
+__all__ = ["Collective", "Interval", "StepRecord"]

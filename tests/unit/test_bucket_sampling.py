@@ -1,0 +1,182 @@
+"""Per-bucket timing is sampled: which steps carry it, and what readers do with the rest.
+
+The rank side runs in this process (world size 1, gloo, real DDP models,
+real record files); the reader side is fed synthetic lockstep runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import synth
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpscope
+from ddpscope.analysis import views
+from ddpscope.analysis.detectors.straggler import bucket_waits
+from ddpscope.analysis.engine import Analysis
+from ddpscope.hooks import attach as attach_mod
+from ddpscope.hooks import steps as steps_mod
+from ddpscope.record import open_run
+from ddpscope.schema import Step, decode, encode
+
+LAYERS = 6
+#: 16x16 floats + bias = 1088 bytes per layer: a cap this small gives a bucket each.
+ONE_LAYER_MB = 1088 / 2**20
+
+
+@pytest.fixture
+def rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, world_of_one: None) -> Iterator[Path]:
+    for var in ("DDPSCOPE_RECORD", "DDPSCOPE_DISABLE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DDPSCOPE_ENDPOINT", f"ipc://{tmp_path}/s")
+    monkeypatch.setenv("DDPSCOPE_CHECKSUM_EVERY", "-1")
+    yield tmp_path
+    attach_mod._reset_for_tests()
+
+
+def _model(layers: int = LAYERS, cap_mb: float = ONE_LAYER_MB) -> DDP:
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)]), bucket_cap_mb=cap_mb)
+
+
+def _train(model: DDP, steps: int, pause_s: float = 0.0) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(4, 16, generator=gen)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if pause_s:
+            time.sleep(pause_s)
+
+
+def _recorded_steps(directory: Path) -> list[Step]:
+    msgs = open_run(str(directory)).messages[0]
+    return [m for m in msgs if isinstance(m, Step)]
+
+
+def test_steps_between_samples_carry_no_bucket_arrays_but_every_phase(rank: Path) -> None:
+    model = _model()
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    handle.tracker.fixed_every = 4
+    _train(model, 12)
+    handle.close()
+    got = _recorded_steps(rank / "rec")
+    assert [s.step for s in got] == list(range(12))
+    detailed = [s.step for s in got if s.b_detail]
+    # The first steps map DDP's rebuilt buckets; then every 4th.
+    assert detailed == [0, 1, 2, 4, 8]
+    for s in got:
+        if s.b_detail:
+            # DDP's first iteration packs everything into one bucket; it rebuilds after.
+            assert len(s.b_index) == len(s.b_dur_ns) == (LAYERS if s.step else 1)
+            assert min(s.b_dur_ns) >= 0
+        else:
+            assert s.b_index == s.b_nbytes == s.b_offset_ns == s.b_dur_ns == []
+        assert s.b_every == 4
+        assert s.backward_ns > 0 and s.forward_ns > 0 and s.optimizer_ns > 0
+
+
+def test_the_untimed_path_trains_the_same_weights_bit_for_bit(rank: Path) -> None:
+    plain, watched = _model(), _model()
+    handle = ddpscope.attach(watched)
+    handle.tracker.fixed_every = 4
+    _train(plain, 10)
+    _train(watched, 10)
+    assert handle.step == 10
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+
+
+def test_bucket_detail_is_spaced_out_when_its_hook_time_is_a_large_share_of_the_step(
+    rank: Path,
+) -> None:
+    model = _model(layers=40)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    _train(model, 60)
+    every = handle.tracker.bucket_every
+    handle.close()
+    # 40 buckets on steps of a few ms: the hook's time is far above 0.25% of a step.
+    assert 4 <= every <= steps_mod.MAX_BUCKET_EVERY
+    assert every & (every - 1) == 0  # a power of two: ranks' samples coincide
+    got = _recorded_steps(rank / "rec")
+    assert all(s.b_detail == (s.step < 3 or s.step % s.b_every == 0) for s in got)
+    assert any(not s.b_detail for s in got)
+
+
+def test_long_steps_keep_bucket_detail_on_every_step(rank: Path) -> None:
+    model = _model(layers=2)
+    handle = ddpscope.attach(model)
+    _train(model, 10, pause_s=0.15)
+    # Two buckets' timing against 150 ms steps: far inside the budget.
+    assert handle.tracker.bucket_every == 1
+    handle.close()
+
+
+def test_bucket_detail_fields_survive_the_wire() -> None:
+    step = Step(
+        run="r", rank=0, seq=0, t=2, model=0, step=5, t_start=1, t_end=2, data_ns=0,
+        forward_ns=0, backward_ns=0, optimizer_ns=0, other_ns=0, comm_wait_ns=0,
+        micro_batches=1, optimizer_steps=1, b_detail=False, b_every=8,
+    )  # fmt: skip
+    back = decode(encode(step))
+    assert isinstance(back, Step) and back.b_detail is False and back.b_every == 8
+
+
+def _sampled(msgs: list, every: int) -> list:
+    """The run as a rank sampling its buckets every ``every`` steps would send it."""
+    out = []
+    for m in msgs:
+        if isinstance(m, Step) and m.step % every:
+            m = dataclasses.replace(
+                m, b_detail=False, b_every=every, b_index=[], b_nbytes=[], b_offset_ns=[],
+                b_dur_ns=[],
+            )  # fmt: skip
+        out.append(m)
+    return out
+
+
+def test_bucket_waits_are_unknown_for_a_step_some_rank_did_not_time() -> None:
+    run = synth.feed(
+        Analysis([], history=64),
+        [*synth.run_infos(2), *_sampled(synth.lockstep(2, 9, synth.constant()), 4)],
+    ).latest
+    assert bucket_waits(run.by_step[8]) is not None
+    assert bucket_waits(run.by_step[7]) is None
+
+
+def test_the_bucket_view_is_drawn_from_the_newest_timed_steps() -> None:
+    msgs = _sampled(synth.lockstep(2, 10, synth.constant(), buckets=5), 4)
+    run = synth.feed(Analysis([], history=64), [*synth.run_infos(2), *msgs]).latest
+    matrix = views.bucket_matrix(run)
+    # The newest step (9) has no bucket arrays; steps 8, 4, 0 do.
+    assert matrix is not None and len(matrix.buckets) == 5
+
+
+def test_a_step_closes_at_its_optimizer_when_a_freed_optimizer_had_the_same_address(
+    rank: Path,
+) -> None:
+    plain, watched = _model(), _model()
+    handle = ddpscope.attach(watched)
+    x = torch.randn(4, 16)
+    opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    plain(x).sum().backward()
+    opt.step()  # the watched model's tracker sees it and notes it is not its own
+    old = id(opt)
+    del opt  # freed here: nothing else holds it
+    # The allocator hands the freed block to the next object of that size:
+    # take it before __init__ allocates anything else.
+    mine = torch.optim.SGD.__new__(torch.optim.SGD)
+    torch.optim.SGD.__init__(mine, watched.parameters(), lr=0.01)
+    if id(mine) != old:
+        pytest.skip("the allocator did not reuse the address this time")
+    watched(x).sum().backward()
+    mine.step()
+    assert handle.step == 1  # closed by its own optimizer, not at the next forward
