@@ -12,19 +12,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import synth
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
 from ddpscope.analysis import views
-from ddpscope.analysis.detectors.straggler import bucket_waits
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.waits import bucket_waits
 from ddpscope.hooks import attach as attach_mod
 from ddpscope.hooks import steps as steps_mod
 from ddpscope.record import open_run
 from ddpscope.schema import Step, decode, encode
+from tests.support import synth
 
 LAYERS = 6
 #: 16x16 floats + bias = 1088 bytes per layer: a cap this small gives a bucket each.

@@ -37,10 +37,17 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Generic, NamedTuple, TypeVar
 
+from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import MAX_PASSES
 from ddpscope.schema import End, Message, SamplerPass, SamplerPassEnd, Step
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ddpscope.analysis.findings import FindingBook
+    from ddpscope.analysis.state import RunState
 
 #: Corresponding passes (ordinals) kept per loader for cross-rank comparison.
 KEEP_ORDINALS = 4
@@ -283,3 +290,35 @@ class PassLedgers:
 
     def drop(self, run_id: str) -> None:
         self._by_run.pop(run_id, None)
+
+
+R = TypeVar("R")
+
+
+class LedgerDetector(Generic[R]):
+    """What the sampling detectors share: the mode, the analysis' pass ledgers
+    (one per run, shared by all three: build.py), and a state per run made by
+    ``new_run`` from that run's ledger."""
+
+    new_run: Callable[[PassLedger], R]
+
+    def __init__(self, mode: Mode = LIVE, ledgers: PassLedgers | None = None) -> None:
+        self.mode = mode
+        self.ledgers = PassLedgers() if ledgers is None else ledgers
+        self._runs: dict[str, R] = {}
+
+    def _run(self, run_id: str) -> R:
+        st = self._runs.get(run_id)
+        if st is None:
+            st = self._runs[run_id] = type(self).new_run(self.ledgers.of(run_id))
+        return st
+
+    def reset(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+        self.ledgers.drop(run_id)
+
+    def tick(self, run: RunState, book: FindingBook) -> None:
+        raise NotImplementedError
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        self.tick(run, book)

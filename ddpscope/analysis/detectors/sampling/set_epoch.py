@@ -21,12 +21,11 @@ from typing import Any
 
 from ddpscope.analysis.detectors.sampling.ledger import (
     PASS_MESSAGES,
+    LedgerDetector,
     PassLedger,
-    PassLedgers,
     PassRec,
 )
 from ddpscope.analysis.findings import Finding, FindingBook
-from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import ranks_phrase
 from ddpscope.schema import Message, SamplerPassEnd
@@ -73,28 +72,15 @@ class _EpochRun:
     repeats: dict[int, _Repeat] = field(default_factory=dict)
 
 
-class SetEpochDetector:
+class SetEpochDetector(LedgerDetector[_EpochRun]):
     kinds: tuple[str, ...] = ("missing_set_epoch",)
 
-    def __init__(self, mode: Mode = LIVE, ledgers: PassLedgers | None = None) -> None:
-        self.mode = mode
-        #: Shared with the other sampling detectors of the analysis (build.py).
-        self.ledgers = PassLedgers() if ledgers is None else ledgers
-        self._runs: dict[str, _EpochRun] = {}
-
-    def reset(self, run_id: str) -> None:
-        self._runs.pop(run_id, None)
-        self.ledgers.drop(run_id)
-
-    def finish(self, run: RunState, book: FindingBook) -> None:
-        self.tick(run, book)
+    new_run = _EpochRun
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, PASS_MESSAGES):
             return
-        st = self._runs.get(run.run_id)
-        if st is None:
-            st = self._runs[run.run_id] = _EpochRun(self.ledgers.of(run.run_id))
+        st = self._run(run.run_id)
         for ev in st.ledger.update(msg):
             if ev.rec is None:
                 continue

@@ -30,13 +30,12 @@ from ddpscope.analysis.detectors.sampling.ledger import (
     KEEP_ORDINALS,
     PASS_MESSAGES,
     STOCK_BATCH_SAMPLERS,
+    LedgerDetector,
     PassLedger,
-    PassLedgers,
     PassRec,
 )
 from ddpscope.analysis.detectors.sampling.overlap import MIN_OVERLAP, SketchUnion
 from ddpscope.analysis.findings import Finding, FindingBook
-from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import by_value, nth, ranks_phrase
 from ddpscope.schema import Message, SamplerPass
@@ -174,28 +173,15 @@ class _ShardRun:
     issues: dict[tuple[str, int], _Issue] = field(default_factory=dict)
 
 
-class ShardingDetector:
+class ShardingDetector(LedgerDetector[_ShardRun]):
     kinds: tuple[str, ...] = ("unsharded_data", "shard_overlap")
 
-    def __init__(self, mode: Mode = LIVE, ledgers: PassLedgers | None = None) -> None:
-        self.mode = mode
-        #: Shared with the other sampling detectors of the analysis (build.py).
-        self.ledgers = PassLedgers() if ledgers is None else ledgers
-        self._runs: dict[str, _ShardRun] = {}
-
-    def reset(self, run_id: str) -> None:
-        self._runs.pop(run_id, None)
-        self.ledgers.drop(run_id)
-
-    def finish(self, run: RunState, book: FindingBook) -> None:
-        self.tick(run, book)
+    new_run = _ShardRun
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, PASS_MESSAGES):
             return
-        st = self._runs.get(run.run_id)
-        if st is None:
-            st = self._runs[run.run_id] = _ShardRun(self.ledgers.of(run.run_id))
+        st = self._run(run.run_id)
         for ev in st.ledger.update(msg):
             rec = ev.rec
             if rec is None:

@@ -31,12 +31,11 @@ from ddpscope.analysis.detectors.sampling.ledger import (
     KEEP_ORDINALS,
     PASS_MESSAGES,
     STOCK_BATCH_SAMPLERS,
+    LedgerDetector,
     PassLedger,
-    PassLedgers,
     PassRec,
 )
 from ddpscope.analysis.findings import Finding, FindingBook
-from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import by_value, nth, ranks_phrase
 from ddpscope.schema import End, Heartbeat, Message, SamplerPass, Step
@@ -100,21 +99,10 @@ class _UnevenRun:
     join_steps: set[int] = field(default_factory=set)
 
 
-class UnevenInputsDetector:
+class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
     kinds: tuple[str, ...] = ("uneven_inputs",)
 
-    def __init__(self, mode: Mode = LIVE, ledgers: PassLedgers | None = None) -> None:
-        self.mode = mode
-        #: Shared with the other sampling detectors of the analysis (build.py).
-        self.ledgers = PassLedgers() if ledgers is None else ledgers
-        self._runs: dict[str, _UnevenRun] = {}
-
-    def reset(self, run_id: str) -> None:
-        self._runs.pop(run_id, None)
-        self.ledgers.drop(run_id)
-
-    def finish(self, run: RunState, book: FindingBook) -> None:
-        self.tick(run, book)
+    new_run = _UnevenRun
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if isinstance(msg, Heartbeat):
@@ -148,9 +136,7 @@ class UnevenInputsDetector:
         """Nothing here depends on time."""
 
     def _state(self, run: RunState) -> _UnevenRun:
-        st = self._runs.get(run.run_id)
-        if st is None:
-            st = self._runs[run.run_id] = _UnevenRun(self.ledgers.of(run.run_id))
+        st = self._run(run.run_id)
         return st
 
     def _table(self, st: _UnevenRun, rec: PassRec) -> _Ordinal:
