@@ -2,7 +2,6 @@
 oracle the streaming report is held to (tests/test_report_streaming.py). Reads the whole
 recording into memory with an unbounded analysis history. Not used by ddpscope itself."""
 
-
 from __future__ import annotations
 
 import datetime

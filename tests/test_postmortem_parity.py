@@ -88,13 +88,17 @@ def read_all(rec: Path) -> Readings:
          "message": v.message, "active": v.active}
         for v in views
     ]  # fmt: skip
-    kw = {"hang_after_s": float(HANG_AFTER)}
+    hang = float(HANG_AFTER)
     return Readings(
         report_json=doc,
         replay_findings=json.loads(json.dumps(found)),
         replay_shown=shown,
-        streaming=json.loads(json.dumps(report.build(*report.analyze(str(rec), **kw)))),
-        in_memory=json.loads(json.dumps(before.build(*before.analyze(str(rec), **kw)))),
+        streaming=json.loads(
+            json.dumps(report.build(*report.analyze(str(rec), hang_after_s=hang)))
+        ),
+        in_memory=json.loads(
+            json.dumps(before.build(*before.analyze(str(rec), hang_after_s=hang)))
+        ),
     )
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import random
 import tracemalloc
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,7 @@ def long_run(directory: Path, steps: int, world: int = 4) -> Path:
     }
     seq = dict.fromkeys(writers, 0)
 
-    def write(msgs: list[Message]) -> None:
+    def write(msgs: Sequence[Message]) -> None:
         for m in msgs:
             writers[m.rank].append(encode(dataclasses.replace(m, run="long", seq=seq[m.rank])))
             seq[m.rank] += 1

@@ -33,9 +33,9 @@ from ddpscope.analysis.monitor import MAX_HISTORY
 from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.sources import fit_history, replay, run_shifts
 from ddpscope.analysis.state import RankView, RunState
-from ddpscope.analysis.streamstats import RankTally, WaitSample
+from ddpscope.analysis.streamstats import RankTally, RecordingSummary, WaitSample
 from ddpscope.record.reader import Recording, RunDir, choose_run, find_runs, writers_alive
-from ddpscope.record.stream import RunStream, first_run_info
+from ddpscope.record.stream import LazyRecording, RunStream, first_run_info
 from ddpscope.schema import End, Heartbeat, Message
 
 FORMAT = "ddpscope.report"
@@ -57,40 +57,6 @@ SPLIT = {
 
 
 # --- reading -----------------------------------------------------------------
-
-
-class RecordingSummary:
-    """What the report needs of a recording, gathered while it streamed past.
-
-    Stands where an in-memory ``Recording`` stood: ``run`` and ``problems``
-    as it had them, and the per-rank figures (``tally``) instead of the
-    messages.
-    """
-
-    def __init__(self, run: RunDir, stream: RunStream, tally: RankTally) -> None:
-        self.run = run
-        self.stream = stream
-        self.tally = tally
-        #: Ranks whose last message (in file order) was an end message.
-        self.ended = stream.ended_ranks()
-        self.file_ranks = {f.rank for f in run.files}
-
-    @property
-    def problems(self) -> list[str]:
-        return self.stream.problems()
-
-    def skipped(self) -> list[tuple[str, str, int, int]]:
-        return self.stream.skipped()
-
-    def duration_s(self) -> float:
-        # Per rank, on that rank's own clock: monotonic clocks of two hosts do not compare.
-        spans: dict[int, tuple[int, int]] = {}
-        for f in self.stream.files:
-            t = self.stream.tallies[f.path]
-            if t.messages:
-                lo, hi = spans.get(f.rank, (t.first_t, t.last_t))
-                spans[f.rank] = (min(lo, t.first_t), max(hi, t.last_t))
-        return round(max((hi - lo for lo, hi in spans.values()), default=0) / NS, 3)
 
 
 def analyze(
@@ -358,7 +324,7 @@ _SKIPPED = re.compile(r"^(?P<file>.*): record (?P<index>\d+) skipped: (?P<why>.*
 
 
 def problems(
-    recording: Recording | RecordingSummary, analysis: Analysis | None = None
+    recording: Recording | RecordingSummary | LazyRecording, analysis: Analysis | None = None
 ) -> list[str]:
     """The recording's problems, one line per kind and file (a bad file can skip thousands)."""
     out: list[str] = []

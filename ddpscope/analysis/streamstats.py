@@ -24,6 +24,8 @@ from typing import IO
 
 from ddpscope.analysis.detectors.straggler import bucket_waits
 from ddpscope.analysis.state import RunState
+from ddpscope.record.reader import RunDir
+from ddpscope.record.stream import RunStream
 from ddpscope.schema import Heartbeat, Message, Step
 
 #: Step fields kept per step, in this order: the step time, then the split.
@@ -43,6 +45,8 @@ SPILL_BYTES = 16 << 20
 #: Bucket timings the all-reduce wait examines (report.WAIT_BUDGET).
 WAIT_BUDGET = 2_000_000
 
+NS = 1_000_000_000
+
 CollKey = tuple[str, str, str, str]
 
 
@@ -55,7 +59,7 @@ class Spill:
         self._item = array(typecode).itemsize
         budget = SPILL_BYTES if budget_bytes is None else budget_bytes
         self._limit = max(width, budget // self._item)
-        self._buf: dict[int, list[array]] = {}  # type: ignore[type-arg]
+        self._buf: dict[int, list[array]] = {}
         self._chunks: dict[int, list[tuple[int, int]]] = {}
         self._counts: Counter[int] = Counter()
         self._buffered = 0
@@ -90,7 +94,7 @@ class Spill:
                 del col[:]
         self._buffered = 0
 
-    def column(self, key: int, c: int) -> array:  # type: ignore[type-arg]
+    def column(self, key: int, c: int) -> array:
         """Every value of column ``c`` for ``key``, in the order added."""
         out = array(self.typecode)
         for offset, n in self._chunks.get(key, ()):
@@ -116,7 +120,7 @@ class WaitSample:
         self.completed = 0
         #: (step, ranks in the row, buckets of its first step, the row's ranks and
         #: their waits). Rows of a run share one ranks tuple.
-        self.kept: list[tuple[int, int, int, tuple[int, ...], array]] = []  # type: ignore[type-arg]
+        self.kept: list[tuple[int, int, int, tuple[int, ...], array]] = []
         self._ranks: tuple[int, ...] = ()
         #: Complete steps by how many ranks the run had when they completed.
         self.by_ranks: Counter[int] = Counter()
@@ -214,10 +218,10 @@ class RankTally:
     def step_count(self, rank: int) -> int:
         return self.steps.count(rank)
 
-    def step_column(self, rank: int, name: str) -> array:  # type: ignore[type-arg]
+    def step_column(self, rank: int, name: str) -> array:
         return self.steps.column(rank, STEP_FIELDS.index(name))
 
-    def cpu_values(self, rank: int) -> array:  # type: ignore[type-arg]
+    def cpu_values(self, rank: int) -> array:
         return self.cpu.column(rank, 0)
 
     def collectives(self, rank: int) -> Iterator[tuple[CollKey, int, int]]:
@@ -232,3 +236,37 @@ class RankTally:
     def close(self) -> None:
         self.steps.close()
         self.cpu.close()
+
+
+class RecordingSummary:
+    """What the report needs of a recording, gathered while it streamed past.
+
+    Stands where an in-memory ``Recording`` stood: ``run`` and ``problems``
+    as it had them, and the per-rank figures (``tally``) instead of the
+    messages.
+    """
+
+    def __init__(self, run: RunDir, stream: RunStream, tally: RankTally) -> None:
+        self.run = run
+        self.stream = stream
+        self.tally = tally
+        #: Ranks whose last message (in file order) was an end message.
+        self.ended = stream.ended_ranks()
+        self.file_ranks = {f.rank for f in run.files}
+
+    @property
+    def problems(self) -> list[str]:
+        return self.stream.problems()
+
+    def skipped(self) -> list[tuple[str, str, int, int]]:
+        return self.stream.skipped()
+
+    def duration_s(self) -> float:
+        # Per rank, on that rank's own clock: monotonic clocks of two hosts do not compare.
+        spans: dict[int, tuple[int, int]] = {}
+        for f in self.stream.files:
+            t = self.stream.tallies[f.path]
+            if t.messages:
+                lo, hi = spans.get(f.rank, (t.first_t, t.last_t))
+                spans[f.rank] = (min(lo, t.first_t), max(hi, t.last_t))
+        return round(max((hi - lo for lo, hi in spans.values()), default=0) / NS, 3)

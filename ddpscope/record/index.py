@@ -76,7 +76,7 @@ def places(run_path: str) -> list[str]:
     return [os.path.join(run_path, NAME), os.path.join(base, "ddpscope", "index", digest)]
 
 
-def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[str]]:  # type: ignore[type-arg]
+def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[str]]:
     """(meta, arrays, notes) of a current index of ``run_path``; meta None when there
     is none to use (the notes say why, for an index that is there but cannot be)."""
     notes: list[str] = []
@@ -101,7 +101,7 @@ def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[s
     return None, {}, notes
 
 
-def _decode(data: bytes) -> tuple[dict[str, Any], dict[str, array]]:  # type: ignore[type-arg]
+def _decode(data: bytes) -> tuple[dict[str, Any], dict[str, array]]:
     if len(data) < _HEAD.size or not data.startswith(MAGIC):
         raise ValueError("not a ddpscope index")
     _, version, meta_len = _HEAD.unpack_from(data)
@@ -120,7 +120,7 @@ def _decode(data: bytes) -> tuple[dict[str, Any], dict[str, array]]:  # type: ig
     if not isinstance(meta, dict) or meta.get("byteorder") != sys.byteorder:
         raise ValueError("written on another kind of machine")
     blobs = memoryview(data)[end + _U32.size :]
-    arrays: dict[str, array] = {}  # type: ignore[type-arg]
+    arrays: dict[str, array] = {}
     for key, (code, offset, count) in (meta.get("arrays") or {}).items():
         a = array(code)
         stop = offset + count * a.itemsize
@@ -131,7 +131,7 @@ def _decode(data: bytes) -> tuple[dict[str, Any], dict[str, array]]:  # type: ig
     return meta, arrays
 
 
-def save(run_path: str, meta: dict[str, Any], arrays: dict[str, array]) -> str | None:  # type: ignore[type-arg]
+def save(run_path: str, meta: dict[str, Any], arrays: dict[str, array]) -> str | None:
     """Write the index of ``run_path`` (built from ``stamps`` taken before the pass);
     the path written, or None when no place could take it."""
     layout: dict[str, tuple[str, int, int]] = {}

@@ -161,3 +161,54 @@ def first_run_info(run: RunDir) -> RunInfo | None:
                 if isinstance(msg, RunInfo):
                     return msg
     return None
+
+
+class RankMessages:
+    """One rank's messages in file order, read from its files each time it is iterated."""
+
+    def __init__(self, files: list[RankFile], problems: dict[str, list[str]]) -> None:
+        self._files = files
+        self._problems = problems
+
+    def __iter__(self) -> Iterator[Message]:
+        for rf in self._files:
+            yield from rf.messages()
+            self._problems[rf.path] = list(rf.problems)
+
+
+class LazyRecording(Mapping[int, RankMessages]):
+    """``open_run``'s Recording for readers that go rank by rank (export): the same
+    ``run``, ``messages`` and ``problems``, but each rank's messages are read from
+    its files when iterated, so only what the reader keeps stays in memory.
+
+    ``problems`` lists a file's problems once it has been read.
+    """
+
+    def __init__(self, run: RunDir) -> None:
+        self.run = run
+        self._problems: dict[str, list[str]] = {}
+        files = file_order(run.files)
+        self._ranks = {
+            rank: RankMessages([f for f in files if f.rank == rank], self._problems)
+            for rank in dict.fromkeys(f.rank for f in files)
+        }
+
+    @property
+    def messages(self) -> LazyRecording:
+        return self
+
+    @property
+    def problems(self) -> list[str]:
+        out = list(self.run.problems)
+        for f in file_order(self.run.files):
+            out.extend(self._problems.get(f.path, ()))
+        return out
+
+    def __getitem__(self, rank: int) -> RankMessages:
+        return self._ranks[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)

@@ -50,9 +50,9 @@ def _unview(v: list[Any]) -> FindingView:
 
 def to_file(
     ix: RecordingIndex, files: list[index_file.FileStamp], key: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, array]]:  # type: ignore[type-arg]
+) -> tuple[dict[str, Any], dict[str, array]]:
     """(meta, arrays) of a finished pass over files as ``files`` stamped them."""
-    arrays: dict[str, array] = {}  # type: ignore[type-arg]
+    arrays: dict[str, array] = {}
     streams = []
     for i, s in enumerate(ix.streams):
         for name in _STREAM_ARRAYS:
@@ -85,7 +85,7 @@ def to_file(
     return meta, arrays
 
 
-def restore(ix: RecordingIndex, meta: dict[str, Any], arrays: dict[str, array]) -> bool:  # type: ignore[type-arg]
+def restore(ix: RecordingIndex, meta: dict[str, Any], arrays: dict[str, array]) -> bool:
     """Fill ``ix`` from an index file; False (``ix`` untouched) if it is not for its files."""
     from ddpscope.replay.index import Moment
 
