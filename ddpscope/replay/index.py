@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from ddpscope import __version__ as VERSION
 from ddpscope.analysis.build import build_analysis, end_of_stream
-from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET, finding_views
+from ddpscope.analysis.monitor import MAX_HISTORY, finding_views
 from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.snapshot import FindingView
-from ddpscope.analysis.sources import TICK_NS
+from ddpscope.analysis.sources import TICK_NS, fit_history
 from ddpscope.analysis.views import busy_ms
 from ddpscope.record import index as index_file
 from ddpscope.record.clocks import HostClocks
@@ -262,11 +262,7 @@ class RecordingIndex:
                         next_tick += TICK_NS
                     stream.add(offset, msg)
                     self._observe(msg, t)
-                    run = self.analysis.feed(msg, t)
-                    if run.world_size:
-                        run.history = max(
-                            MIN_HISTORY, min(MAX_HISTORY, STEP_BUDGET // run.world_size)
-                        )
+                    fit_history(self.analysis.feed(msg, t))
                     self._moment(t)
                     self.t = max(self.t, t)
                     self.records += 1
