@@ -32,7 +32,7 @@ import sys
 import tempfile
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 
@@ -84,14 +84,12 @@ def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[s
     for path in places(run_path):
         try:
             with open(path, "rb") as f:
-                data = f.read()
+                meta, arrays = _read(f)
         except FileNotFoundError:
             continue
         except OSError as exc:
             notes.append(f"{path}: index not readable ({exc.strerror or exc}); reading the files")
             continue
-        try:
-            meta, arrays = _decode(data)
         except ValueError as exc:
             notes.append(f"{path}: not a usable index ({exc}); reading the files")
             continue
@@ -101,17 +99,22 @@ def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[s
     return None, {}, notes
 
 
-def _decode(data: bytes) -> tuple[dict[str, Any], dict[str, array]]:
-    if len(data) < _HEAD.size or not data.startswith(MAGIC):
+def _read(f: BinaryIO) -> tuple[dict[str, Any], dict[str, array]]:
+    """Meta and arrays; each array read straight into place (an index of a big run
+    is hundreds of MB: never held twice)."""
+    head = f.read(_HEAD.size)
+    if len(head) < _HEAD.size or not head.startswith(MAGIC):
         raise ValueError("not a ddpscope index")
-    _, version, meta_len = _HEAD.unpack_from(data)
+    _, version, meta_len = _HEAD.unpack(head)
     if version != VERSION:
         raise ValueError(f"index version {version}; this ddpscope writes version {VERSION}")
-    end = _HEAD.size + meta_len
-    if meta_len > MAX_META or len(data) < end + _U32.size:
+    if meta_len > MAX_META:
+        raise ValueError("meta length is corrupt")
+    raw = f.read(meta_len)
+    crc = f.read(_U32.size)
+    if len(raw) < meta_len or len(crc) < _U32.size:
         raise ValueError("cut short")
-    raw = data[_HEAD.size : end]
-    if _U32.unpack_from(data, end)[0] != crc32(raw):
+    if _U32.unpack(crc)[0] != crc32(raw):
         raise ValueError("checksum mismatch")
     try:
         meta = msgpack.unpackb(raw, raw=False, strict_map_key=False)
@@ -119,15 +122,19 @@ def _decode(data: bytes) -> tuple[dict[str, Any], dict[str, array]]:
         raise ValueError(f"meta not readable: {exc}") from None
     if not isinstance(meta, dict) or meta.get("byteorder") != sys.byteorder:
         raise ValueError("written on another kind of machine")
-    blobs = memoryview(data)[end + _U32.size :]
+    blobs = f.tell()
+    size = os.fstat(f.fileno()).st_size
     arrays: dict[str, array] = {}
-    for key, (code, offset, count) in (meta.get("arrays") or {}).items():
-        a = array(code)
-        stop = offset + count * a.itemsize
-        if stop > len(blobs):
-            raise ValueError("cut short")
-        a.frombytes(blobs[offset:stop])
-        arrays[key] = a
+    try:
+        for key, (code, offset, count) in (meta.get("arrays") or {}).items():
+            a = array(code)
+            if blobs + offset + count * a.itemsize > size:
+                raise ValueError("cut short")
+            f.seek(blobs + offset)
+            a.fromfile(f, count)
+            arrays[key] = a
+    except (TypeError, EOFError) as exc:
+        raise ValueError(f"array list is corrupt: {exc}") from None
     return meta, arrays
 
 
