@@ -294,11 +294,7 @@ def allreduce_waits(sample: list[dict[int, int]] | RunState) -> dict[int, float]
     (``streamstats.WaitSample``). A RunState is read whole (every step it kept).
     """
     if isinstance(sample, RunState):
-        waits = WaitSample()
-        for s in sorted(sample.by_step):
-            if len(sample.by_step[s]) == len(sample.ranks):
-                waits.complete(sample, s)
-        sample = waits.sample(len(sample.ranks))
+        sample = WaitSample.of_run(sample)
     per_rank: dict[int, list[int]] = {}
     for waits_of_step in sample:
         for r, wait in waits_of_step.items():

@@ -146,6 +146,21 @@ class WaitSample:
             self.stride *= 2
             self.kept = [k for i, k in enumerate(self.kept) if i % 2 == 0]
 
+    @staticmethod
+    def of_run(run: RunState) -> list[dict[int, int]]:
+        """The same sample from a run that kept every step it is to use (compare's
+        view of a run): the budget's even spread, only those steps computed."""
+        n = len(run.ranks)
+        steps = [s for s in sorted(run.by_step) if len(run.by_step[s]) == n > 1]
+        if not steps:
+            return []
+        buckets = max(len(next(iter(run.by_step[s].values())).b_index) for s in steps[-8:])
+        keep = max(8, WAIT_BUDGET // max(1, n * max(1, buckets)))
+        if len(steps) > keep:
+            stride = len(steps) / keep
+            steps = [steps[int(i * stride)] for i in range(keep)]
+        return [bucket_waits(run.by_step[s]) or {} for s in steps]
+
     def sample(self, ranks: int) -> list[dict[int, int]]:
         """The waits of the steps the report examines: complete with all ``ranks``,
         evenly spread over them when there are more than the budget allows."""
