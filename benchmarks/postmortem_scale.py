@@ -94,12 +94,15 @@ def one(what: str, directory: str) -> dict[str, float]:
         from ddpscope.replay.index import RecordingIndex
         from ddpscope.replay.player import ReplayFeed
 
+        world = int((Path(directory) / "complete").read_text().split()[0])
         feed = ReplayFeed(RecordingIndex(find_runs(directory)[-1]))
         feed.start()
-        while True:
+        while True:  # the first screen: the run in the header, a row for every rank
             snap = feed.snapshot(SnapshotRequest(series=True))
-            if snap.header is not None and snap.rows and all(r.step > 0 for r in snap.rows):
+            if snap.header is not None and len(snap.rows) >= world:
                 break
+            if time.perf_counter() - began > 600:
+                raise SystemExit(f"no first screen: {len(snap.rows)} rows")
             time.sleep(0.01)
         out["first_screen_s"] = round(time.perf_counter() - began, 2)
         out["rss_first_screen_mb"] = round(peak_rss_mb())
