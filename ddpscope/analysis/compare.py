@@ -31,7 +31,7 @@ from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
 from ddpscope.analysis.state import NS, RunState
-from ddpscope.record.reader import RecordError, Recording, RunDir, find_runs
+from ddpscope.record.reader import RecordError, RunDir, find_runs
 from ddpscope.schema import RunInfo, Step
 
 FORMAT = "ddpscope.compare"
@@ -91,7 +91,7 @@ class Side:
 
     directory: str
     analysis: Analysis
-    recording: Recording
+    recording: report.RecordingSummary
     runs: list[RunDir]
 
 
@@ -121,7 +121,10 @@ def pick(
 
 def load(directory: str, run_id: str | None, hang_after_s: float | None = None) -> Side:
     """Read and analyse one side. Raises RecordError or OSError on unreadable input."""
-    analysis, recording, runs = report.analyze(directory, run_id, hang_after_s=hang_after_s)
+    # Every step kept: the figures compare whole runs (compare.md).
+    analysis, recording, runs = report.analyze(
+        directory, run_id, hang_after_s=hang_after_s, history=None
+    )
     return Side(directory, analysis, recording, runs)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import re
 import statistics
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -28,14 +27,16 @@ from ddpscope.analysis.build import build_analysis, end_of_stream
 from ddpscope.analysis.detectors.recipe.setup import training_setup
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
+from ddpscope.analysis.monitor import MAX_HISTORY
 from ddpscope.analysis.prior import prime_from_runs
 from ddpscope.analysis.protocol import Detector, recorded
-from ddpscope.analysis.sources import replay_recording
+from ddpscope.analysis.sources import fit_history, replay, run_shifts
 from ddpscope.analysis.state import RankView, RunState
-from ddpscope.analysis.waits import bucket_waits
+from ddpscope.analysis.streamstats import RankTally, RecordingSummary, WaitSample
 from ddpscope.analysis.wording import NS, error_line
-from ddpscope.record.reader import Recording, RunDir, find_runs, open_run, writers_alive
-from ddpscope.schema import End, Heartbeat, RunInfo, Step
+from ddpscope.record.reader import Recording, RunDir, choose_run, find_runs, writers_alive
+from ddpscope.record.stream import LazyRecording, RunStream, first_run_info
+from ddpscope.schema import End, Heartbeat, Message
 
 FORMAT = "ddpscope.report"
 VERSION = 1
@@ -52,8 +53,6 @@ SPLIT = {
     "optimizer": "optimizer_ns",
     "other": "other_ns",
 }
-#: Bucket timings examined for the all-reduce wait: a sample keeps big runs fast.
-WAIT_BUDGET = 2_000_000
 
 
 # --- reading -----------------------------------------------------------------
@@ -64,36 +63,54 @@ def analyze(
     run_id: str | None = None,
     hang_after_s: float | None = None,
     detectors: Iterable[Detector] | None = None,
-) -> tuple[Analysis, Recording, list[RunDir]]:
-    """Read a run (the newest unless ``run_id``) and run the detectors over it.
+    history: int | None = MAX_HISTORY,
+) -> tuple[Analysis, RecordingSummary, list[RunDir]]:
+    """Read a run (the newest unless ``run_id``) and run the detectors over it,
+    streaming: memory does not grow with the recording's length.
 
+    ``history`` bounds the steps the analysis keeps per rank as the replay's
+    does (None keeps all: compare's figures need every step).
     Raises RecordError (or OSError) for input that cannot be read at all.
     """
     runs = find_runs(directory)
-    recording = open_run(directory, run_id)
-    mode = recorded(not still_writing(recording), hang_after_s)
-    analysis = build_analysis(mode, detectors)
+    run = choose_run(directory, run_id)
+    shifts = run_shifts(run)
+    tally = RankTally()
+    stream = RunStream(run, shifts, tap=tally.file_message)
+    # Whether the run is finished is known once it is read: until then it is
+    # read as a growing one (detectors are set up the same way for both).
+    analysis = build_analysis(recorded(False, hang_after_s), detectors, history=history)
     # The previous run of the same script, for the global_batch comparison.
-    script = next(
-        (m.script for ms in recording.messages.values() for m in ms if isinstance(m, RunInfo)), ""
-    )
-    prime_from_runs(analysis.detectors, runs, recording.run, script)
-    replay_recording(recording, analysis)
-    if mode.source == "finished":
-        end_of_stream(analysis)
-    return analysis, recording, runs
+    info = first_run_info(run)
+    prime_from_runs(analysis.detectors, runs, run, info.script if info else "")
+
+    def fed(msg: Message, state: RunState) -> None:
+        if history is not None:
+            fit_history(state)
+        tally.fed(msg, state)
+
+    try:
+        replay(stream, analysis, shifts=shifts, on_feed=fed)
+        summary = RecordingSummary(run, stream, tally)
+        if not writers_alive(run, summary.ended):
+            end_of_stream(analysis)
+    except BaseException:
+        tally.close()
+        raise
+    return analysis, summary, runs
 
 
-def still_writing(recording: Recording, now: float | None = None) -> bool:
+def still_writing(recording: RecordingSummary, now: float | None = None) -> bool:
     """Whether a rank process may still append to the recording (a live or hung job)."""
-    ended = {r for r, msgs in recording.messages.items() if msgs and isinstance(msgs[-1], End)}
-    return writers_alive(recording.run, ended, now)
+    return writers_alive(recording.run, recording.ended, now)
 
 
 # --- the JSON object -----------------------------------------------------------
 
 
-def build(analysis: Analysis, recording: Recording, runs: Sequence[RunDir] = ()) -> dict[str, Any]:
+def build(
+    analysis: Analysis, recording: RecordingSummary, runs: Sequence[RunDir] = ()
+) -> dict[str, Any]:
     """The report object documented in docs/report.md."""
     run = run_of(analysis, recording)
     book = analysis.books.get(run.run_id) if run is not None else None
@@ -109,7 +126,7 @@ def build(analysis: Analysis, recording: Recording, runs: Sequence[RunDir] = ())
     }
 
 
-def run_of(analysis: Analysis, recording: Recording) -> RunState | None:
+def run_of(analysis: Analysis, recording: RecordingSummary) -> RunState | None:
     run = analysis.runs.get(recording.run.run_id)
     if run is None and analysis.runs:
         run = max(analysis.runs.values(), key=lambda r: r.received)
@@ -117,7 +134,7 @@ def run_of(analysis: Analysis, recording: Recording) -> RunState | None:
 
 
 def run_summary(
-    run: RunState | None, recording: Recording, runs: Sequence[RunDir] = ()
+    run: RunState | None, recording: RecordingSummary, runs: Sequence[RunDir] = ()
 ) -> dict[str, Any]:
     rd = recording.run
     infos = [v.info for v in (run.ranks.values() if run else []) if v.info is not None]
@@ -129,7 +146,6 @@ def run_summary(
     open_ranks = sorted(v.rank for v in views if v.end is None)
     first = infos[0] if infos else None
     started = min((i.started_wall_ns for i in infos), default=rd.started_wall_ns)
-    epochs = sorted({s.epoch for v in views for s in v.steps if s.epoch >= 0})
     selected = "latest" if len(runs) > 1 and rd.path == runs[-1].path else "only"
     if runs and rd.path != runs[-1].path:
         selected = "requested"
@@ -146,10 +162,10 @@ def run_summary(
         "versions": dict(first.versions) if first else {},
         "started": _iso(started),
         "started_wall_ns": started,
-        "duration_s": _duration_s(recording),
+        "duration_s": recording.duration_s(),
         "steps": max((v.step_count for v in views), default=0),
-        "steps_all_ranks": len(run.complete_steps()) if run is not None else 0,
-        "epochs": len(epochs),
+        "steps_all_ranks": recording.tally.complete_steps(len(run.ranks)) if run else 0,
+        "epochs": len(recording.tally.epochs) if run is not None else 0,
         "messages": run.received if run is not None else 0,
         "status": "ended" if views and not open_ranks else "open",
         "open_ranks": open_ranks,
@@ -170,43 +186,35 @@ def _iso(wall_ns: int) -> str | None:
     return when.isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def _duration_s(recording: Recording) -> float:
-    # Per rank, on that rank's own clock: monotonic clocks of two hosts do not compare.
-    spans = [
-        max(m.t for m in msgs) - min(m.t for m in msgs)
-        for msgs in recording.messages.values()
-        if msgs
-    ]
-    return round(max(spans, default=0) / NS, 3)
+def rank_summaries(run: RunState, recording: RecordingSummary) -> list[dict[str, Any]]:
+    tally = recording.tally
+    waits = allreduce_waits(tally.waits.sample(len(run.ranks)))
+    ranks = sorted(set(run.ranks) | recording.file_ranks)
+    return [rank_summary(run.rank(r), tally, waits.get(r)) for r in ranks]
 
 
-def rank_summaries(run: RunState, recording: Recording) -> list[dict[str, Any]]:
-    waits = allreduce_waits(run)
-    ranks = sorted(set(run.ranks) | set(recording.messages))
-    return [rank_summary(run.rank(r), recording.messages.get(r, []), waits.get(r)) for r in ranks]
-
-
-def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None) -> dict[str, Any]:
-    steps = list(view.steps)
+def rank_summary(view: RankView, tally: RankTally, wait_ms: float | None) -> dict[str, Any]:
+    r = view.rank
     info = view.info
-    beats = [m for m in messages if isinstance(m, Heartbeat) and m.phase != "exited"]
     hb = view.heartbeat
-    durations = [s.t_end - s.t_start for s in steps]
+    durations = sorted(tally.step_column(r, "duration"))
+    cpu = tally.cpu_values(r)
+    last = view.last_step
     return {
-        "rank": view.rank,
+        "rank": r,
         "host": info.host if info else "",
         "pid": info.pid if info else -1,
         "local_rank": info.local_rank if info else -1,
-        "steps": len(steps),
+        "steps": tally.step_count(r),
         "step_count": view.step_count,
-        "epoch": steps[-1].epoch if steps else -1,
+        "epoch": last.epoch if last is not None else -1,
         "step_ms": median_ms(durations),
         "step_p90_ms": _quantile_ms(durations, 0.9),
-        "split_ms": {key: median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
+        "split_ms": {key: median_ms(tally.step_column(r, f)) for key, f in SPLIT.items()},
         "allreduce_wait_ms": wait_ms,
-        "collectives": collectives(steps),
-        "cpu_pct": round(statistics.median(b.cpu_pct for b in beats), 1) if beats else None,
-        "rss_bytes": max((b.rss_bytes for b in beats), default=None),
+        "collectives": collectives(tally, r),
+        "cpu_pct": round(statistics.median(cpu), 1) if cpu else None,
+        "rss_bytes": tally.rss.get(r),
         "last": _last(hb),
         "end": _end(view.end),
         "dropped_queue": hb.dropped_queue if hb else 0,
@@ -219,44 +227,37 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
 MAX_COLLECTIVES = 16
 
 
-def collectives(steps: Sequence[Step]) -> list[dict[str, Any]]:
+def collectives(tally: RankTally, rank: int) -> list[dict[str, Any]]:
     """The rank's collectives other than the gradient all-reduce, by (op, class,
     group, site), most time blocked first: calls and ms blocked per step
     (means over the rank's steps, so they add up to the split's sync and coll
     waits, less what steps had beyond the 32 they list)."""
-    if not steps:
+    n = tally.step_count(rank)
+    if not n:
         return []
-    calls: Counter[tuple[str, str, str, str]] = Counter()
-    blocked: Counter[tuple[str, str, str, str]] = Counter()
-    for s in steps:
-        for key_dur in zip(s.c_op, s.c_class, s.c_group, s.c_site, s.c_dur_ns, strict=False):
-            key = key_dur[:4]
-            calls[key] += 1
-            blocked[key] += max(0, key_dur[4])
-    n = len(steps)
+    rows = sorted(tally.collectives(rank), key=lambda c: (-c[2], c[0]))
     out = [
         {
             "op": op,
             "class": cls,
             "group": group,
             "site": site,
-            "calls_per_step": round(calls[key] / n, 3),
-            "blocked_ms": round(blocked[key] / n / MS, 3),
+            "calls_per_step": round(calls / n, 3),
+            "blocked_ms": round(blocked / n / MS, 3),
         }
-        for key in sorted(blocked, key=lambda k: (-blocked[k], k))
-        for op, cls, group, site in (key,)
+        for (op, cls, group, site), calls, blocked in rows
     ]
     return out[:MAX_COLLECTIVES]
 
 
-def median_ms(values: Sequence[int]) -> float | None:
+def median_ms(values: Sequence[float]) -> float | None:
     return round(statistics.median(values) / MS, 3) if values else None
 
 
-def _quantile_ms(values: Sequence[int], q: float) -> float | None:
-    if not values:
+def _quantile_ms(ordered: Sequence[int], q: float) -> float | None:
+    """``q`` quantile of ``ordered`` (sorted), the value at rank int(q * n)."""
+    if not ordered:
         return None
-    ordered = sorted(values)
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] / MS, 3)
 
 
@@ -281,28 +282,21 @@ def _end(end: End | None) -> dict[str, Any] | None:
     return {"reason": end.reason, "step": end.step, "error": error_line(end.error)}
 
 
-def allreduce_waits(run: RunState) -> dict[int, float]:
+def allreduce_waits(sample: list[dict[int, int]] | RunState) -> dict[int, float]:
     """Median per step of how long each rank waited at the all-reduce for the others, in ms.
 
     Per step, the straggler detector's rule (design notes, section 4): a
     bucket's transfer time is its shortest duration over ranks; the rest of a
     rank's duration is waiting. Buckets in flight together wait for the same
     late rank, so a rank's wait is its largest bucket wait, not their sum.
-    Steps every rank reported are used; a sample of them on big runs.
+    Steps every rank reported are used; a sample of them on big runs
+    (``streamstats.WaitSample``). A RunState is read whole (every step it kept).
     """
-    steps = [s for s in sorted(run.by_step) if len(run.by_step[s]) == len(run.ranks) > 1]
-    if not steps:
-        return {}
-    buckets = max(len(next(iter(run.by_step[s].values())).b_index) for s in steps[-8:])
-    cost = max(1, len(run.ranks) * max(1, buckets))
-    keep = max(8, WAIT_BUDGET // cost)
-    if len(steps) > keep:
-        stride = len(steps) / keep
-        steps = [steps[int(i * stride)] for i in range(keep)]
+    if isinstance(sample, RunState):
+        sample = WaitSample.of_run(sample)
     per_rank: dict[int, list[int]] = {}
-    for s in steps:
-        waits = bucket_waits(run.by_step[s])
-        for r, wait in (waits or {}).items():
+    for waits_of_step in sample:
+        for r, wait in waits_of_step.items():
             per_rank.setdefault(r, []).append(wait)
     return {r: round(statistics.median(w) / MS, 3) for r, w in per_rank.items()}
 
@@ -324,7 +318,9 @@ def other_runs(runs: Sequence[RunDir], chosen: RunDir) -> list[dict[str, Any]]:
 _SKIPPED = re.compile(r"^(?P<file>.*): record (?P<index>\d+) skipped: (?P<why>.*)$", re.S)
 
 
-def problems(recording: Recording, analysis: Analysis | None = None) -> list[str]:
+def problems(
+    recording: Recording | RecordingSummary | LazyRecording, analysis: Analysis | None = None
+) -> list[str]:
     """The recording's problems, one line per kind and file (a bad file can skip thousands)."""
     out: list[str] = []
     skipped: dict[tuple[str, str], list[int]] = {}
@@ -333,10 +329,14 @@ def problems(recording: Recording, analysis: Analysis | None = None) -> list[str
         if m is None:
             out.append(p)
             continue
-        skipped.setdefault((m["file"], m["why"]), []).append(int(m["index"]))
-    for (path, why), indices in skipped.items():
-        what = f"record {indices[0]}" if len(indices) == 1 else f"{len(indices)} records"
-        first = "" if len(indices) == 1 else f" (first: record {indices[0]})"
+        entry = skipped.setdefault((m["file"], m["why"]), [0, int(m["index"])])
+        entry[0] += 1
+    if isinstance(recording, RecordingSummary):
+        for path, why, n, index in recording.skipped():
+            skipped.setdefault((path, why), [0, index])[0] += n
+    for (path, why), (n, index) in skipped.items():
+        what = f"record {index}" if n == 1 else f"{n} records"
+        first = "" if n == 1 else f" (first: record {index})"
         out.append(f"{path}: {what} skipped: {why}{first}")
     if analysis is not None:
         for name, err in sorted(analysis.detector_errors.items()):

@@ -12,9 +12,12 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from ddpscope.analysis.build import build_analysis, end_of_stream
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET
 from ddpscope.analysis.protocol import Detector, recorded
+from ddpscope.analysis.state import RunState
 from ddpscope.record import Recording, open_run
 from ddpscope.record.clocks import HostClocks
+from ddpscope.record.reader import RunDir
 from ddpscope.schema import Message
 
 #: Replays tick the detectors every this many ns of recorded time.
@@ -24,11 +27,23 @@ TICK_NS = 250_000_000
 def rank_shifts(recording: Recording, clocks: HostClocks | None = None) -> dict[int, int]:
     """Per rank, ns that put its times on ``clocks``' reference (by default the first
     host's clock; record/clocks.py)."""
+    return run_shifts(recording.run, clocks)
+
+
+def run_shifts(run: RunDir, clocks: HostClocks | None = None) -> dict[int, int]:
+    """:func:`rank_shifts` from the files' headers alone (nothing read beyond them)."""
     clocks = HostClocks() if clocks is None else clocks
     shifts: dict[int, int] = {}
-    for rf in sorted(recording.run.files, key=lambda f: f.path):
+    for rf in sorted(run.files, key=lambda f: f.path):
         shifts.setdefault(rf.rank, clocks.shift(rf.header))
     return shifts
+
+
+def fit_history(run: RunState) -> None:
+    """Bound the steps ``run`` keeps as the watcher does for its world size (the
+    replay and the report keep the same, so they raise the same findings)."""
+    if run.world_size:
+        run.history = max(MIN_HISTORY, min(MAX_HISTORY, STEP_BUDGET // run.world_size))
 
 
 def merged(recording: Recording, shifts: Mapping[int, int] | None = None) -> Iterator[Message]:
@@ -56,11 +71,13 @@ def replay(
     tick_ns: int = TICK_NS,
     on_tick: Callable[[int], None] | None = None,
     shifts: Mapping[int, int] | None = None,
+    on_feed: Callable[[Message, RunState], None] | None = None,
 ) -> Analysis:
     """Feed recorded messages as if live: the analysis clock is the sender's clock
     (moved by ``shifts[rank]`` for ranks on other hosts).
 
-    ``on_tick`` is called after each tick (benchmarks time detection with it).
+    ``on_tick`` is called after each tick (benchmarks time detection with it);
+    ``on_feed`` after each message, with the run that took it.
     """
     next_tick = None
     last = 0
@@ -73,7 +90,9 @@ def replay(
             if on_tick is not None:
                 on_tick(next_tick)
             next_tick += tick_ns
-        analysis.feed(msg, t)
+        run = analysis.feed(msg, t)
+        if on_feed is not None:
+            on_feed(msg, run)
         last = max(last, t)
     if next_tick is not None:
         analysis.tick(last)

@@ -19,8 +19,7 @@ from ddpscope.cli.common import EXIT_UNREADABLE, describe_error
 if TYPE_CHECKING:  # the real imports wait for run(): building the parser stays fast
     from ddpscope.analysis.engine import Analysis
     from ddpscope.analysis.findings import Finding
-    from ddpscope.export import Timeline
-    from ddpscope.record.reader import Recording
+    from ddpscope.export import Readable, Timeline
 
 #: Exit status when the output file cannot be written.
 EXIT_UNWRITABLE = 1
@@ -73,17 +72,22 @@ exit status:
 
     def run(self, args: argparse.Namespace) -> int:
         from ddpscope.analysis import report
-        from ddpscope.record.reader import RecordError, find_runs, open_run
+        from ddpscope.record.reader import RecordError, choose_run, find_runs
+        from ddpscope.record.stream import LazyRecording
 
         findings: list[Finding] = []
         analysis = None
+        summary = None
         try:
             if args.format == "chrome-trace" and not args.no_findings:
-                analysis, recording, runs = report.analyze(args.dir, args.run)
-                findings = _findings(analysis, recording.run.run_id)
+                analysis, summary, runs = report.analyze(args.dir, args.run)
+                findings = _findings(analysis, summary.run.run_id)
+                run = summary.run
             else:
                 runs = find_runs(args.dir)
-                recording = open_run(args.dir, args.run)
+                run = choose_run(args.dir, args.run)
+            # Read rank by rank as it is written out: never the whole run in memory.
+            recording = LazyRecording(run)
         except (RecordError, OSError) as exc:
             _say(describe_error(exc))
             return EXIT_UNREADABLE
@@ -94,8 +98,11 @@ exit status:
             )
         from ddpscope.export import Timeline
 
-        timeline = Timeline(recording)
-        for problem in report.problems(recording, analysis) + timeline.notes:
+        timeline = Timeline(recording)  # reads every file once: their problems are known
+        for problem in (
+            report.problems(summary if summary is not None else recording, analysis)
+            + timeline.notes
+        ):
             _say(f"note: {problem}")
         try:
             written = _write(args, recording, findings, timeline)
@@ -121,7 +128,7 @@ def _findings(analysis: Analysis, run_id: str) -> list[Finding]:
 
 
 def _write(
-    args: argparse.Namespace, recording: Recording, findings: list[Finding], timeline: Timeline
+    args: argparse.Namespace, recording: Readable, findings: list[Finding], timeline: Timeline
 ) -> str:
     if args.output == "-":
         return _emit(args.format, recording, findings, timeline, sys.stdout)
@@ -146,7 +153,7 @@ def _write(
 
 
 def _emit(
-    fmt: str, recording: Recording, findings: list[Finding], timeline: Timeline, out: TextIO
+    fmt: str, recording: Readable, findings: list[Finding], timeline: Timeline, out: TextIO
 ) -> str:
     if fmt == "csv":
         from ddpscope.export.table import write_csv

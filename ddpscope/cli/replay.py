@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from ddpscope.cli.common import EXIT_UNREADABLE
+from ddpscope.cli.common import EXIT_UNREADABLE, positive_seconds
 
 #: A run whose files changed this recently, without an end from every rank, is
 #: taken to be still running and is followed.
@@ -48,6 +48,13 @@ exit status:
         parser.add_argument("--run", metavar="ID", help="run id (default: the newest run)")
         parser.add_argument("--list", action="store_true", help="list the runs in DIR and exit")
         parser.add_argument("--at", metavar="STEP", type=int, help="open at this step")
+        parser.add_argument(
+            "--hang-after",
+            metavar="S",
+            type=positive_seconds,
+            help="seconds without progress that make a hang, as for `ddpscope report` "
+            "(default: from step times, at least 5 s)",
+        )
         follow = parser.add_mutually_exclusive_group()
         follow.add_argument(
             "--follow",
@@ -81,7 +88,7 @@ exit status:
             )
             return 2
         follow = looks_unfinished(chosen) if args.follow is None else args.follow
-        return play(chosen, follow, args.at)
+        return play(chosen, follow, args.at, args.hang_after)
 
 
 def looks_unfinished(run: object) -> bool:
@@ -98,7 +105,7 @@ def looks_unfinished(run: object) -> bool:
     return time.time() - newest < FRESH_S
 
 
-def play(run: object, follow: bool, at_step: int | None) -> int:
+def play(run: object, follow: bool, at_step: int | None, hang_after_s: float | None = None) -> int:
     from ddpscope.cli.lifeline import Lifeline
     from ddpscope.cli.watch import run_app, terminal_fd
     from ddpscope.record.reader import RunDir
@@ -108,7 +115,7 @@ def play(run: object, follow: bool, at_step: int | None) -> int:
 
     assert isinstance(run, RunDir)
     log = os.path.join(run.path, "job.log")  # where `ddpscope run` keeps the job's output
-    feed = ReplayFeed(RecordingIndex(run, follow=follow))
+    feed = ReplayFeed(RecordingIndex(run, follow=follow, hang_after_s=hang_after_s))
     with feed, Lifeline(terminal_fd=terminal_fd()) as lifeline:
         if at_step is not None:
             feed.seek_step(at_step)

@@ -11,14 +11,26 @@ No torch, no textual: an export runs on a laptop.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ddpscope.record import clocks
-from ddpscope.record.reader import Recording
+from ddpscope.record.reader import RunDir
 from ddpscope.schema import Message, RunInfo, Step
 
-__all__ = ["RankClock", "Timeline", "fixed"]
+__all__ = ["RankClock", "Readable", "Timeline", "fixed"]
+
+
+class Readable(Protocol):
+    """A run and its messages by rank: ``open_run``'s Recording, or the
+    LazyRecording that reads each rank's files as they are exported."""
+
+    @property
+    def run(self) -> RunDir: ...
+
+    @property
+    def messages(self) -> Mapping[int, Iterable[Message]]: ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,7 @@ class RankClock:
 class Timeline:
     """Every rank's clock mapped onto the run's wall time, zero at its earliest message."""
 
-    def __init__(self, recording: Recording) -> None:
+    def __init__(self, recording: Readable) -> None:
         self.notes: list[str] = []
         headers: dict[int, dict[str, object]] = {}
         for f in recording.run.files:
@@ -42,10 +54,11 @@ class Timeline:
         anchored: dict[int, tuple[str, int | None, str]] = {}
         first_ns: dict[int, int] = {}
         for rank, msgs in sorted(recording.messages.items()):
-            if not msgs:
+            earliest, info = _scan(msgs)
+            if earliest is None:
                 continue
-            first_ns[rank] = _earliest(msgs)
-            anchored[rank] = _anchor(msgs, headers.get(rank, {}))
+            first_ns[rank] = earliest
+            anchored[rank] = _anchor(info, headers.get(rank, {}))
         known = [first_ns[r] + off for r, (_, off, _) in anchored.items() if off is not None]
         #: Wall ns of the earliest message of the run: time zero of both exports.
         self.base_ns = min(known, default=0)
@@ -75,14 +88,21 @@ class Timeline:
         return out
 
 
-def _earliest(msgs: Iterable[Message]) -> int:
-    # A step starts before the message that reports it was created (t = t_end).
-    return min(min(m.t, m.t_start) if isinstance(m, Step) else m.t for m in msgs)
+def _scan(msgs: Iterable[Message]) -> tuple[int | None, RunInfo | None]:
+    """(earliest time, first run info) of a rank's messages, in one pass over them."""
+    earliest: int | None = None
+    info: RunInfo | None = None
+    for m in msgs:
+        # A step starts before the message that reports it was created (t = t_end).
+        t = min(m.t, m.t_start) if isinstance(m, Step) else m.t
+        earliest = t if earliest is None else min(earliest, t)
+        if info is None and isinstance(m, RunInfo):
+            info = m
+    return earliest, info
 
 
-def _anchor(msgs: list[Message], header: dict[str, object]) -> tuple[str, int | None, str]:
+def _anchor(info: RunInfo | None, header: dict[str, object]) -> tuple[str, int | None, str]:
     """(host, wall - monotonic offset or None, where it came from) for one rank."""
-    info = next((m for m in msgs if isinstance(m, RunInfo)), None)
     host = info.host if info is not None else str(header.get("host", "") or "unknown")
     if info is not None:
         return host, info.wall_ns - info.mono_ns, "run_info"

@@ -27,8 +27,7 @@ from typing import Any, TextIO
 
 import ddpscope
 from ddpscope.analysis.findings import Finding
-from ddpscope.export import Timeline
-from ddpscope.record.reader import Recording
+from ddpscope.export import Readable, Timeline
 from ddpscope.schema import Heartbeat, Message, Step
 
 #: Phases of a step in the order they are laid out (name, Step field). Each is
@@ -95,7 +94,7 @@ def phase_layout(step: Step) -> list[tuple[str, int, int]]:
 
 
 def write_chrome_trace(
-    recording: Recording,
+    recording: Readable,
     out: TextIO,
     findings: Iterable[Finding] = (),
     timeline: Timeline | None = None,
@@ -188,12 +187,22 @@ def _meta(name: str, pid: int, tid: int, args: dict[str, Any]) -> str:
     return f'{{"ph":"M","name":"{name}","pid":{pid},"tid":{tid},"ts":0,"args":{json.dumps(args)}}}'
 
 
-def _rank_events(rank: int, msgs: list[Message], tl: Timeline, tracks: _Tracks, w: _Writer) -> None:
+def _rank_events(
+    rank: int, msgs: Iterable[Message], tl: Timeline, tracks: _Tracks, w: _Writer
+) -> None:
     pid = tracks.pid(rank)
     shift = tl.ranks[rank].offset_ns - tl.base_ns
     # Lanes per model: end (trace ns) of the last all-reduce placed on each.
     lanes: dict[int, list[int]] = {}
-    steps = sorted((m for m in msgs if isinstance(m, Step)), key=lambda s: (s.model, s.t_start))
+    # One pass over the messages: a recording read lazily is read once per rank.
+    steps: list[Step] = []
+    beats: list[Heartbeat] = []
+    for m in msgs:
+        if isinstance(m, Step):
+            steps.append(m)
+        elif isinstance(m, Heartbeat):
+            beats.append(m)
+    steps.sort(key=lambda s: (s.model, s.t_start))
     add = w.buf.append  # the hot loop: millions of events on big runs
     for s in steps:
         tid = tracks.tid(rank, s.model, 0)
@@ -216,9 +225,8 @@ def _rank_events(rank: int, msgs: list[Message], tl: Timeline, tracks: _Tracks, 
         w.stats.collectives += _collective_events(rank, s, start, tracks, w)
         if len(w.buf) >= CHUNK:
             w.flush()
-    for m in msgs:
-        if isinstance(m, Heartbeat):
-            _counter_events(rank, m, m.t + shift, pid, tracks.tid(rank, m.model, 0), w)
+    for m in beats:
+        _counter_events(rank, m, m.t + shift, pid, tracks.tid(rank, m.model, 0), w)
 
 
 def _bucket_events(

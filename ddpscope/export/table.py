@@ -11,8 +11,7 @@ import csv
 from collections.abc import Iterator
 from typing import TextIO
 
-from ddpscope.export import Timeline, fixed
-from ddpscope.record.reader import Recording
+from ddpscope.export import Readable, Timeline, fixed
 from ddpscope.schema import Step
 
 COLUMNS: tuple[str, ...] = (
@@ -44,7 +43,7 @@ COLUMNS: tuple[str, ...] = (
 )
 
 
-def rows(recording: Recording, timeline: Timeline | None = None) -> Iterator[list[object]]:
+def rows(recording: Readable, timeline: Timeline | None = None) -> Iterator[list[object]]:
     """The table's rows (without the header), by rank, then model, then step start."""
     tl = timeline if timeline is not None else Timeline(recording)
     for rank in sorted(tl.ranks):
@@ -79,7 +78,7 @@ def rows(recording: Recording, timeline: Timeline | None = None) -> Iterator[lis
             ]
 
 
-def write_csv(recording: Recording, out: TextIO, timeline: Timeline | None = None) -> int:
+def write_csv(recording: Readable, out: TextIO, timeline: Timeline | None = None) -> int:
     """Write the header and every row to ``out`` (opened with newline=""); returns the rows."""
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)

@@ -28,15 +28,18 @@ from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ddpscope import __version__ as VERSION
 from ddpscope.analysis.build import build_analysis, end_of_stream
-from ddpscope.analysis.monitor import MAX_HISTORY, MIN_HISTORY, STEP_BUDGET, finding_views
+from ddpscope.analysis.monitor import MAX_HISTORY, finding_views
 from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.snapshot import FindingView
-from ddpscope.analysis.sources import TICK_NS
+from ddpscope.analysis.sources import TICK_NS, fit_history
 from ddpscope.analysis.views import busy_ms
+from ddpscope.record import index as index_file
 from ddpscope.record.clocks import HostClocks
 from ddpscope.record.format import SUFFIX, RecordError
 from ddpscope.record.reader import RankFile, RunDir, writers_alive
+from ddpscope.replay import cache
 from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, Step, decode
 
 #: A code per message kind, stored per record (one byte instead of a string).
@@ -139,15 +142,29 @@ class RecordingIndex:
         run: RunDir,
         detectors: list[Detector] | None = None,
         follow: bool = False,
+        hang_after_s: float | None = None,
+        cache: bool = True,
     ) -> None:
+        """``cache``: load the pass from the run's index file when one is current,
+        and save one after a pass that read a finished run whole (never with
+        ``detectors`` of the caller's: the file holds the default detectors' findings)."""
         self.run = run
         self.follow = follow
+        self._cache_key = {"hang_after_s": hang_after_s, "tick_ns": TICK_NS, "ddpscope": VERSION}
+        self._use_cache = cache and detectors is None
+        #: The pass came from the index file.
+        self.cached = False
+        #: Where the index file was written, once it was.
+        self.saved_to: str | None = None
+        self._raised: list[int] | None = None
         self.clocks = HostClocks()
         self.streams: list[Stream] = [
             Stream(rf, self.clocks.shift(rf.header)) for rf in sorted(run.files, key=_file_order)
         ]
         # Growing until the pass ends and finds every writer gone (_finish_if_over).
-        self.analysis = build_analysis(recorded(finished=False), detectors, history=MAX_HISTORY)
+        self.analysis = build_analysis(
+            recorded(False, hang_after_s), detectors, history=MAX_HISTORY
+        )
         self.moments: list[Moment] = []
         self._moment_t = array("q")
         #: Per step number, the time its last rank reported it (complete everywhere then).
@@ -187,6 +204,8 @@ class RecordingIndex:
 
     def raised_times(self) -> list[int]:
         """When each finding was first raised, sorted (for next/previous finding)."""
+        if self._raised is not None:
+            return list(self._raised)
         with self.lock:
             book = self.analysis.latest and self.analysis.book(self.analysis.latest)
             return sorted(f.raised_ns for f in book) if book else []
@@ -203,13 +222,29 @@ class RecordingIndex:
     def run_pass(self) -> None:
         """Read everything once (and follow while asked); records a failure in ``error``."""
         try:
-            self._pass()
+            if self._use_cache and self._load_cached():
+                return
+            files = index_file.stamps(self.run.path) if self._use_cache else []
+            if self._pass() and self._use_cache and not self._stop.is_set():
+                meta, arrays = cache.to_file(self, files, self._cache_key)
+                self.saved_to = index_file.save(self.run.path, meta, arrays)
         except Exception as exc:  # the replay must show what it has, and why it stopped
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self.done = True
 
-    def _pass(self) -> None:
+    def _load_cached(self) -> bool:
+        meta, arrays, notes = index_file.load(self.run.path)
+        self.problems.extend(notes)
+        if meta is None or meta.get("key") != self._cache_key:
+            return False
+        with self.lock:
+            self.cached = cache.restore(self, meta, arrays)
+        return self.cached
+
+    def _pass(self) -> bool:
+        """Read the run; True when it was read whole and found finished."""
+        finished = False
         next_tick: int | None = None
         while not self._stop.is_set():
             merged = heapq.merge(*(self._read(s) for s in self.streams), key=lambda e: e[0])
@@ -227,11 +262,7 @@ class RecordingIndex:
                         next_tick += TICK_NS
                     stream.add(offset, msg)
                     self._observe(msg, t)
-                    run = self.analysis.feed(msg, t)
-                    if run.world_size:
-                        run.history = max(
-                            MIN_HISTORY, min(MAX_HISTORY, STEP_BUDGET // run.world_size)
-                        )
+                    fit_history(self.analysis.feed(msg, t))
                     self._moment(t)
                     self.t = max(self.t, t)
                     self.records += 1
@@ -255,8 +286,10 @@ class RecordingIndex:
                     # As `ddpscope report` ends a finished recording, so the last
                     # findings here are the report's.
                     end_of_stream(self.analysis)
+                    finished = True
                 self._moment(self.t)
         self._note_missing_ranks()
+        return finished
 
     def _read(self, stream: Stream) -> Iterator[tuple[int, Stream, int, Message]]:
         """A file's messages from where the pass left it, sorted within a short window."""

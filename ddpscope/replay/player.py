@@ -137,6 +137,7 @@ class ReplayFeed(SnapshotHandoff):
         self._step_times: list[int] = []
         self._step_best: list[int] = []
         self.error = ""
+        self._started = False
         self._pass = threading.Thread(target=index.run_pass, name="ddpscope-index", daemon=True)
         self._thread = threading.Thread(target=self._loop, name="ddpscope-replay", daemon=True)
 
@@ -212,6 +213,9 @@ class ReplayFeed(SnapshotHandoff):
             while not self._stop.is_set():
                 now = time.monotonic()
                 elapsed, last = now - last, now
+                if not self._started and self.index.step_done and not self._commands:
+                    self._show_start()
+                    self._update_status()
                 while self._commands:
                     self._do(*self._commands.popleft())
                 if self._pending_step is not None and (
@@ -244,8 +248,15 @@ class ReplayFeed(SnapshotHandoff):
             if index.step_done and index.records > index.ranks_expected * 4:
                 break
             self._stop.wait(0.005)
+        self._show_start()
+
+    def _show_start(self) -> None:
+        index = self.index
         first = min(index.step_done, default=None)
         start = index.step_done.get(first, index.first_t) if first is not None else index.first_t
+        #: Whether the first screen stood at a step (a pass slower than
+        #: START_WAIT_S had none yet: the loop shows it once there is one).
+        self._started = first is not None or index.done
         self.clock.now = max(start, 0)
         self._rebuild(self.clock.now)
 
@@ -255,6 +266,7 @@ class ReplayFeed(SnapshotHandoff):
             arg.set()
             return
         self._notice = ""
+        self._started = True  # the user moved: no first screen to wait for any more
         if command == "play":
             self._playing = (not self._playing) if arg is None else bool(arg)
             if self._playing and self._at_last_record():

@@ -1,0 +1,176 @@
+"""Post-mortem at scale: report, export, compare and replay on a 1,024-rank recording.
+
+Writes (once; kept with --dir) the synthetic recording of replay_open.py
+(lockstep DDP from tests/support/synth.py, 8 buckets, a heartbeat every 10 steps, a
+straggler from 60% of the run, the real RecordWriter, one file per rank) at
+--world ranks x --steps steps, then runs each reader in a fresh process, timed
+from the start of the work to its result, with that process's peak RSS
+(``VmHWM``):
+
+- report:  ``report.build(report.analyze(DIR))``, as ``ddpscope report --json``
+- export:  ``ddpscope export DIR --format chrome-trace`` (with findings), to a file
+- csv:     ``ddpscope export DIR --format csv``
+- compare: ``ddpscope compare DIR DIR`` (both sides read and analysed)
+- replay (first open, no index file): the first screen (every rank's row), then
+  the whole index pass, which writes the index file
+- replay (cached open): the first screen with the index file there, and the
+  index loaded whole (every finding known, seeks anywhere)
+- read only: every record scanned and CRC-checked; decoded too (no analysis):
+  where the report's time goes
+
+MB/s is the recording's size over the reader's time.
+
+    python -m benchmarks.postmortem_scale --world 1024 --steps 500      # JSON on stdout
+    python -m benchmarks.postmortem_scale --dir /tmp/pm1024 --only report
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WHAT = ("read", "decode", "report", "export", "csv", "compare", "replay_first", "replay_cached")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (VmHWM: unlike ru_maxrss, not counting
+    the parent's image the process was forked from)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def one(what: str, directory: str) -> dict[str, float]:
+    """Run one reader here; seconds and extra figures."""
+    began = time.perf_counter()
+    out: dict[str, float] = {}
+    if what in ("read", "decode"):
+        from ddpscope.record.reader import choose_run
+        from ddpscope.schema import decode
+
+        n = 0
+        for rf in choose_run(directory).files:
+            for payload in rf.records():
+                if what == "decode":
+                    decode(payload)
+                n += 1
+        out["records"] = n
+    elif what == "report":
+        from ddpscope.analysis import report
+
+        doc = report.build(*report.analyze(directory))
+        out["findings"] = len(doc["findings"])
+    elif what in ("export", "csv", "compare"):
+        from ddpscope.cli.main import main
+
+        with tempfile.TemporaryDirectory() as tmp:
+            if what == "compare":
+                argv = ["compare", directory, directory, "--json"]
+                with open(os.devnull, "w") as null:
+                    saved, sys.stdout = sys.stdout, null
+                    try:
+                        code = main(argv)
+                    finally:
+                        sys.stdout = saved
+            else:
+                fmt = "chrome-trace" if what == "export" else "csv"
+                target = os.path.join(tmp, "out")
+                code = main(["export", directory, "--format", fmt, "-o", target])
+                out["output_mb"] = round(os.path.getsize(target) / 2**20, 1)
+        assert code in (0, 1), code
+    else:
+        from ddpscope.analysis.snapshot import SnapshotRequest
+        from ddpscope.record.reader import find_runs
+        from ddpscope.replay.index import RecordingIndex
+        from ddpscope.replay.player import ReplayFeed
+
+        world = int((Path(directory) / "complete").read_text().split()[0])
+        feed = ReplayFeed(RecordingIndex(find_runs(directory)[-1]))
+        feed.start()
+        while True:  # the first screen: the run in the header, a row for every rank
+            snap = feed.snapshot(SnapshotRequest(series=True))
+            if snap.header is not None and len(snap.rows) >= world:
+                break
+            if time.perf_counter() - began > 600:
+                raise SystemExit(f"no first screen: {len(snap.rows)} rows")
+            time.sleep(0.01)
+        out["first_screen_s"] = round(time.perf_counter() - began, 2)
+        out["rss_first_screen_mb"] = round(peak_rss_mb())
+        while not feed.index.done:
+            time.sleep(0.05)
+        out["cached"] = float(feed.index.cached)
+        out["index_saved"] = float(feed.index.saved_to is not None)
+        out["findings_at_end"] = len(feed.index.findings_at(feed.index.t)[1])
+        feed.stop()
+    out["seconds"] = round(time.perf_counter() - began, 2)
+    out["peak_rss_mb"] = round(peak_rss_mb())
+    return out
+
+
+def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
+    child = ["--dir", str(directory), "--child", what]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.postmortem_scale", *child],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-3000:]}")
+    res: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["mb_per_s"] = round(size_mb / res["seconds"], 1)
+    if what == "compare":
+        res["mb_per_s"] = round(2 * size_mb / res["seconds"], 1)  # both sides read
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dir", help="where the recording is (written there if missing)")
+    ap.add_argument("--world", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--buckets", type=int, default=8)
+    ap.add_argument("--only", action="append", choices=WHAT, help="these readers (repeatable)")
+    ap.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(one(args.child, args.dir)))
+        return
+    from benchmarks.replay_open import write_recording
+
+    directory = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-postmortem-"))
+    out: dict[str, object] = {"world": args.world, "steps": args.steps, "buckets": args.buckets}
+    stamp = directory / "complete"
+    want = f"{args.world} {args.steps} {args.buckets}\n"
+    if not stamp.exists() or stamp.read_text() != want:
+        for old in directory.rglob("*.ddps"):
+            old.unlink()
+        began = time.perf_counter()
+        write_recording(directory, args.world, args.steps, args.buckets)
+        stamp.write_text(want)
+        out["write_s"] = round(time.perf_counter() - began, 1)
+    for old in directory.rglob(".ddpscope-index"):
+        old.unlink()  # replay_first opens without one (and writes it)
+    size_mb = sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20
+    out["recording_mb"] = round(size_mb)
+    for what in args.only or WHAT:
+        out[what] = measure(what, directory, size_mb)
+        print(what, json.dumps(out[what]), file=sys.stderr, flush=True)
+    out["dir"] = str(directory)
+    out["cpu_count"] = os.cpu_count()
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

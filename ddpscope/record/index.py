@@ -1,0 +1,172 @@
+"""The index file: what one pass over a finished recording learnt, kept beside it.
+
+``ddpscope replay`` reads every record once (offsets, step times, the findings
+as the detectors raised them: :mod:`ddpscope.replay.index`). On a 1,024-rank
+run that pass takes minutes, and it gives the same answer every time for files
+that no longer change, so once a pass has read a finished recording whole, it
+is saved here and the next open loads it instead (well under a second).
+
+Layout (docs/record-format.md, "The index file"):
+
+```
+magic "DDPSIDX\\0"  version:u16  meta_len:u32  meta:msgpack  meta_crc:u32  blobs
+```
+
+``meta`` names the files it was built from (name, size, mtime in ns), the
+replay's figures and where each array is among the blobs (raw
+little-endian machine arrays). Any difference in the files (one more, one
+less, another size or mtime) makes it stale; a file that is not an index of
+this version, or fails its checksum, is ignored with a note, and rebuilt.
+
+Written atomically (a temporary file renamed over it) in the run directory;
+where that directory cannot be written, under the user's cache directory
+(``$XDG_CACHE_HOME/ddpscope/index``), and if that fails too, not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import sys
+import tempfile
+from array import array
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import msgpack
+
+from ddpscope.record.format import SUFFIX, crc32
+
+MAGIC = b"DDPSIDX\0"
+#: Bump on any change to what the meta holds or how arrays are laid out.
+VERSION = 1
+NAME = ".ddpscope-index"
+_HEAD = struct.Struct("<8sHI")
+_U32 = struct.Struct("<I")
+#: Larger metas are not an index this ddpscope wrote.
+MAX_META = 1 << 30
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    name: str
+    size: int
+    mtime_ns: int
+
+
+def stamps(run_path: str) -> list[FileStamp]:
+    """The run's record files as they are now, by name."""
+    out = []
+    for name in sorted(os.listdir(run_path)):
+        if not name.endswith(SUFFIX):
+            continue
+        try:
+            st = os.stat(os.path.join(run_path, name))
+        except OSError:
+            continue
+        out.append(FileStamp(name, st.st_size, st.st_mtime_ns))
+    return out
+
+
+def places(run_path: str) -> list[str]:
+    """Where the index of ``run_path`` may be, in the order they are tried."""
+    digest = hashlib.sha1(os.path.abspath(run_path).encode()).hexdigest()[:20]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return [os.path.join(run_path, NAME), os.path.join(base, "ddpscope", "index", digest)]
+
+
+def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[str]]:
+    """(meta, arrays, notes) of a current index of ``run_path``; meta None when there
+    is none to use (the notes say why, for an index that is there but cannot be)."""
+    notes: list[str] = []
+    now = [s.__dict__ for s in stamps(run_path)]
+    for path in places(run_path):
+        try:
+            with open(path, "rb") as f:
+                meta, arrays = _read(f)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            notes.append(f"{path}: index not readable ({exc.strerror or exc}); reading the files")
+            continue
+        except ValueError as exc:
+            notes.append(f"{path}: not a usable index ({exc}); reading the files")
+            continue
+        if meta.get("files") != now:
+            continue  # stale: the files changed since (rebuilt quietly)
+        return meta, arrays, notes
+    return None, {}, notes
+
+
+def _read(f: BinaryIO) -> tuple[dict[str, Any], dict[str, array]]:
+    """Meta and arrays; each array read straight into place (an index of a big run
+    is hundreds of MB: never held twice)."""
+    head = f.read(_HEAD.size)
+    if len(head) < _HEAD.size or not head.startswith(MAGIC):
+        raise ValueError("not a ddpscope index")
+    _, version, meta_len = _HEAD.unpack(head)
+    if version != VERSION:
+        raise ValueError(f"index version {version}; this ddpscope writes version {VERSION}")
+    if meta_len > MAX_META:
+        raise ValueError("meta length is corrupt")
+    raw = f.read(meta_len)
+    crc = f.read(_U32.size)
+    if len(raw) < meta_len or len(crc) < _U32.size:
+        raise ValueError("cut short")
+    if _U32.unpack(crc)[0] != crc32(raw):
+        raise ValueError("checksum mismatch")
+    try:
+        meta = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ValueError(f"meta not readable: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("byteorder") != sys.byteorder:
+        raise ValueError("written on another kind of machine")
+    blobs = f.tell()
+    size = os.fstat(f.fileno()).st_size
+    arrays: dict[str, array] = {}
+    try:
+        for key, (code, offset, count) in (meta.get("arrays") or {}).items():
+            a = array(code)
+            if blobs + offset + count * a.itemsize > size:
+                raise ValueError("cut short")
+            f.seek(blobs + offset)
+            a.fromfile(f, count)
+            arrays[key] = a
+    except (TypeError, EOFError) as exc:
+        raise ValueError(f"array list is corrupt: {exc}") from None
+    return meta, arrays
+
+
+def save(run_path: str, meta: dict[str, Any], arrays: dict[str, array]) -> str | None:
+    """Write the index of ``run_path`` (built from ``stamps`` taken before the pass);
+    the path written, or None when no place could take it."""
+    layout: dict[str, tuple[str, int, int]] = {}
+    offset = 0
+    for key, a in arrays.items():
+        layout[key] = (a.typecode, offset, len(a))
+        offset += len(a) * a.itemsize
+    meta = {**meta, "arrays": layout, "byteorder": sys.byteorder}
+    raw = msgpack.packb(meta, use_bin_type=True)
+    for path in places(run_path):
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".ddpscope-index-", dir=os.path.dirname(path))
+        except OSError:
+            continue
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_HEAD.pack(MAGIC, VERSION, len(raw)))
+                f.write(raw)
+                f.write(_U32.pack(crc32(raw)))
+                for a in arrays.values():
+                    a.tofile(f)
+            os.replace(tmp, path)
+        except OSError:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            continue
+        return path
+    return None
