@@ -26,18 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import paired_ci
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.torchjob import job_env, torchrun
 
 LAYERS = 40
 
@@ -124,12 +121,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        env = dict(os.environ, DDPSCOPE_ENDPOINT=f"ipc://{tmp}/s", OMP_NUM_THREADS="1")
-        env["DDPSCOPE_CHECKSUM_EVERY"] = "-1"  # fingerprints are measured apart
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               __file__, "--worker", "--out", str(out), "--rounds", str(args.rounds),
-               "--steps", str(args.steps), "--width", str(args.width)]  # fmt: skip
+        # Fingerprints are measured apart.
+        env = job_env(tmp, DDPSCOPE_CHECKSUM_EVERY="-1")
+        cmd = torchrun(2, __file__, "--worker", "--out", str(out), "--rounds", str(args.rounds),
+                       "--steps", str(args.steps), "--width", str(args.width))  # fmt: skip
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         got = json.loads(out.read_text())
     base = got["cpp"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.torchjob import job_env, torchrun
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -96,17 +95,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
-        env = dict(os.environ, DDPSCOPE_ENDPOINT=f"ipc://{tmp}/s", OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        if args.record:
-            env["DDPSCOPE_RECORD"] = f"{tmp}/rec"
+        env = job_env(tmp, record=args.record)
         passthrough = [a for a in sys.argv[1:] if a not in ("--json",)]
         if args.json:
             i = passthrough.index(args.json)
             del passthrough[i]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", __file__, *passthrough, "--worker",
-               "--out", str(out)]  # fmt: skip
+        cmd = torchrun(args.nproc, __file__, *passthrough, "--worker", "--out", str(out))
         subprocess.run(cmd, env=env, check=True, capture_output=True)
         times = json.loads(out.read_text())
     ratios = [w / o for w, o in zip(times["with"], times["without"], strict=True)]

@@ -40,8 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import bootstrap_ci, paired_ci
-
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks.torchjob import job_env, torchrun
 
 #: Model shapes that give steps of about this length on one CPU thread here
 #: (40 square layers; the measured step time is reported, not assumed).
@@ -287,21 +286,17 @@ def main() -> None:
         print("TraceML is not installed (pip install traceml-ai): its side is left out.")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times"
-        env = dict(os.environ, DDPSCOPE_ENDPOINT=f"ipc://{tmp}/s", OMP_NUM_THREADS="1")
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        if args.record:
-            env["DDPSCOPE_RECORD"] = f"{tmp}/rec"
+        env = job_env(tmp, record=args.record)
         helper = None
         if use_traceml:
             helper, extra = _start_traceml(tmp, args.nproc)
             env.update(extra)
             env["BENCH_HELPER_PID"] = str(helper.pid)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={args.nproc}", __file__, "--worker", "--out", str(out),
-               "--preset", args.preset, "--buckets", str(args.buckets),
-               "--rounds", str(args.rounds), "--steps", str(steps),
-               "--width", str(preset["width"]), "--batch", str(preset["batch"]),
-               "--every", str(args.every)]  # fmt: skip
+        cmd = torchrun(args.nproc, __file__, "--worker", "--out", str(out),
+                       "--preset", args.preset, "--buckets", str(args.buckets),
+                       "--rounds", str(args.rounds), "--steps", str(steps),
+                       "--width", str(preset["width"]), "--batch", str(preset["batch"]),
+                       "--every", str(args.every))  # fmt: skip
         if use_traceml:
             cmd.append("--traceml")
         try:
