@@ -38,6 +38,11 @@ counted apart and never open a step.
 
 The hot path only stamps the clock and appends small tuples; turning tokens
 into figures happens in :meth:`StepTracker.finish`, on the publisher thread.
+
+Long module: one class, StepTracker, whose hooks (forward, backward, bucket,
+collective, optimizer) read and write the same per-step state on the training
+thread; split across objects, every hook would pay another attribute hop on the
+hot path that benchmarks/hook_cost.py measures.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ddpscope import __version__ as VERSION
 from ddpscope.analysis.build import build_analysis, end_of_stream
@@ -226,7 +227,7 @@ class RecordingIndex:
                 return
             files = index_file.stamps(self.run.path) if self._use_cache else []
             if self._pass() and self._use_cache and not self._stop.is_set():
-                meta, arrays = cache.to_file(self, files, self._cache_key)
+                meta, arrays = self._to_file(files, self._cache_key)
                 self.saved_to = index_file.save(self.run.path, meta, arrays)
         except Exception as exc:  # the replay must show what it has, and why it stopped
             self.error = f"{type(exc).__name__}: {exc}"
@@ -239,8 +240,73 @@ class RecordingIndex:
         if meta is None or meta.get("key") != self._cache_key:
             return False
         with self.lock:
-            self.cached = cache.restore(self, meta, arrays)
+            self.cached = self._restore(meta, arrays)
         return self.cached
+
+    def _to_file(
+        self, files: list[index_file.FileStamp], key: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, array]]:
+        """(meta, arrays) of a finished pass over files as ``files`` stamped them."""
+        arrays: dict[str, array] = {}
+        streams = []
+        for i, s in enumerate(self.streams):
+            for name in cache.STREAM_ARRAYS:
+                arrays[f"{i}.{name}"] = getattr(s, name)
+            for code, pos in s.by_kind.items():
+                arrays[f"{i}.kind.{code}"] = pos
+            streams.append({"path": s.file.path, "next": s._next_offset, "kinds": list(s.by_kind)})
+        arrays["step_done.step"] = array("q", self.step_done.keys())
+        arrays["step_done.t"] = array("q", self.step_done.values())
+        arrays["moment.t"] = self._moment_t
+        views: dict[FindingView, int] = {}
+        moments = []
+        for m in self.moments:
+            moments.append([m.version, [views.setdefault(f, len(views)) for f in m.findings]])
+        meta = {
+            "files": [s.__dict__ for s in files],
+            "key": key,
+            "streams": streams,
+            "views": [cache.view_to_list(f) for f in views],
+            "moments": moments,
+            "raised": self.raised_times(),
+            "ranks_expected": self.ranks_expected,
+            "first_t": self.first_t,
+            "t": self.t,
+            "records": self.records,
+            "newest_step": self._newest_step,
+            "ended": sorted(self._ended),
+            "problems": list(self.problems),
+        }
+        return meta, arrays
+
+    def _restore(self, meta: dict[str, Any], arrays: dict[str, array]) -> bool:
+        """Fill this index from an index file; False (untouched) if it is not for its files."""
+
+        saved = meta.get("streams") or []
+        if [s["path"] for s in saved] != [s.file.path for s in self.streams]:
+            return False
+        for i, (s, info) in enumerate(zip(self.streams, saved, strict=True)):
+            for name in cache.STREAM_ARRAYS:
+                setattr(s, name, arrays[f"{i}.{name}"])
+            s.by_kind = {int(code): arrays[f"{i}.kind.{code}"] for code in info["kinds"]}
+            s._next_offset = info["next"]
+        self.step_done = dict(zip(arrays["step_done.step"], arrays["step_done.t"], strict=True))
+        views = [cache.view_from_list(v) for v in meta["views"]]
+        self._moment_t = arrays["moment.t"]
+        self.moments = [
+            Moment(t, version, tuple(views[j] for j in found))
+            for t, (version, found) in zip(self._moment_t, meta["moments"], strict=True)
+        ]
+        self._raised = list(meta["raised"])
+        self.ranks_expected = meta["ranks_expected"]
+        self.first_t = meta["first_t"]
+        self.t = meta["t"]
+        self.records = meta["records"]
+        self._newest_step = meta["newest_step"]
+        self._ended = set(meta["ended"])
+        self.problems[:] = list(meta["problems"])
+        self.read_bytes = self.total_bytes
+        return True
 
     def _pass(self) -> bool:
         """Read the run; True when it was read whole and found finished."""
