@@ -31,6 +31,7 @@ RECORD_VAR = "DDPSCOPE_RECORD"
 DISABLE_VAR = "DDPSCOPE_DISABLE"
 CHECKSUM_EVERY_VAR = "DDPSCOPE_CHECKSUM_EVERY"
 CHECKSUM_BUDGET_VAR = "DDPSCOPE_CHECKSUM_BUDGET"
+BUCKET_EVERY_VAR = "DDPSCOPE_BUCKET_EVERY"
 HEARTBEAT_S_VAR = "DDPSCOPE_HEARTBEAT_S"
 RESEND_S_VAR = "DDPSCOPE_RESEND_S"
 STACKS_AFTER_S_VAR = "DDPSCOPE_STACKS_AFTER_S"
@@ -72,6 +73,9 @@ class Options:
     checksum_every: int = 0
     #: Share of step time periodic fingerprints may cost when N is automatic.
     checksum_budget: float = 0.005
+    #: Time every gradient bucket's all-reduce every N steps (after the first
+    #: three); 0 picks N (1..32) so the bookkeeping stays under 0.25% of step time.
+    bucket_every: int = 0
     #: Seconds between heartbeats (the publisher thread's pace).
     heartbeat_s: float = 1.0
     #: Seconds between re-sends of run info and bucket layout, for late watchers.
@@ -141,6 +145,10 @@ OPTIONS: dict[str, tuple[str, str]] = {
         CHECKSUM_BUDGET_VAR,
         "share of step time automatic fingerprints may cost (default 0.005)",
     ),
+    "bucket_every": (
+        BUCKET_EVERY_VAR,
+        "time every bucket's all-reduce every N steps (0: automatic, 1: every step)",
+    ),
     "heartbeat_s": (HEARTBEAT_S_VAR, "seconds between heartbeats"),
     "resend_s": (RESEND_S_VAR, "seconds between re-sends of run info"),
     "stacks_after_s": (
@@ -193,6 +201,8 @@ def _validate(opts: Options) -> Options:
         raise ConfigError("queue_size must be at least 16")
     if opts.checksum_every < -1:
         raise ConfigError("checksum_every must be -1 (off), 0 (automatic) or a step count")
+    if opts.bucket_every < 0:
+        raise ConfigError("bucket_every must be 0 (automatic) or a step count")
     if not 0 < opts.checksum_budget < 1:
         raise ConfigError("checksum_budget must be between 0 and 1")
     opts.resolved_control_endpoint()  # raises on a malformed endpoint

@@ -245,6 +245,8 @@ class Handle:
             on_step_end=self._on_step_end,
             sampler_state=lambda: (proc.sampler_probe.last_epoch, proc.sampler_probe.last_pass),
         )
+        if opts.bucket_every:
+            self.tracker.fixed_every = opts.bucket_every
         self._info = runinfo.run_info_fields(model, opts, proc.started_wall_ns)
         extra = proc.recipe.guard(
             recipe.run_info_fields, model, self._info["local_rank"], self._info["local_world_size"]

@@ -35,8 +35,13 @@ def test_two_nodes_with_skewed_clocks_are_one_run_on_one_clock(
     tmp_path: Path, endpoint: str
 ) -> None:
     with LiveFeed(endpoint) as feed:
+        # Every step's buckets timed (DDPSCOPE_BUCKET_EVERY=1): the alignment
+        # check below compares the ranks' last all-reduce end step by step.
         nodes = run_two_nodes(
-            tmp_path, endpoint, ["--epochs", "3", "--slow-rank", "1", "--slow-ms", "20"]
+            tmp_path,
+            endpoint,
+            ["--epochs", "3", "--slow-rank", "1", "--slow-ms", "20"],
+            DDPSCOPE_BUCKET_EVERY="1",
         )
         for out in nodes.outputs:
             assert out.returncode == 0 or "done:" in out.stdout, out.stderr[-3000:]

@@ -53,8 +53,10 @@ def run_two_nodes(
     skew_ns: int = DAY_NS,
     rdzv_id: str = "mn",
     timeout: float = 240,
+    **env_extra: str,
 ) -> Nodes:
-    """Launch both nodes, wait for both; the second in namespaces when ``skew_ns``."""
+    """Launch both nodes, wait for both; the second in namespaces when ``skew_ns``.
+    ``env_extra``: more environment for both launchers (ddpscope options)."""
     record = tmp / "rec"
     port = free_port()
     torchrun = [
@@ -71,7 +73,7 @@ def run_two_nodes(
     ]
     launcher = [sys.executable, "-m", "ddpscope", "run", "--headless", "--record", str(record)]
     launcher += ["--endpoint", endpoint, "--"]
-    env = job_env()
+    env = job_env(**env_extra)
     procs = []
     for node in range(2):
         cmd = launcher + torchrun

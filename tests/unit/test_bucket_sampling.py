@@ -84,6 +84,23 @@ def test_steps_between_samples_carry_no_bucket_arrays_but_every_phase(rank: Path
         assert s.backward_ns > 0 and s.forward_ns > 0 and s.optimizer_ns > 0
 
 
+@pytest.mark.parametrize("how", ["keyword", "environment"])
+def test_the_bucket_every_option_fixes_the_spacing(
+    rank: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    model = _model()
+    if how == "environment":
+        monkeypatch.setenv("DDPSCOPE_BUCKET_EVERY", "1")
+        handle = ddpscope.attach(model, record=str(rank / "rec"))
+    else:
+        handle = ddpscope.attach(model, record=str(rank / "rec"), bucket_every=1)
+    _train(model, 10, pause_s=0.0)
+    handle.close()
+    got = _recorded_steps(rank / "rec")
+    assert [s.step for s in got if s.b_detail] == list(range(10))
+    assert {s.b_every for s in got} == {1}
+
+
 def test_the_untimed_path_trains_the_same_weights_bit_for_bit(rank: Path) -> None:
     plain, watched = _model(), _model()
     handle = ddpscope.attach(watched)
