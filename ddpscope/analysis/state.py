@@ -206,8 +206,24 @@ class RunState:
     def _on_run_info(self, view: RankView, msg: RunInfo, rx_ns: int) -> bool:
         view.info = msg
         view.pid = msg.pid
-        self.world_size = max(self.world_size, msg.world_size)
+        if msg.world_size > self.world_size:
+            self.world_size = msg.world_size
+            self._drop_outside_the_world()
         return True
+
+    def _drop_outside_the_world(self) -> None:
+        # Messages of ranks beyond the world that came before any run info
+        # (a stray or hostile sender, seen before the job's own opening)
+        # were taken then; now that the world is known they were never in it.
+        outside = [r for r in self.ranks if r >= self.world_size]
+        for r in outside:
+            del self.ranks[r]
+        if outside:
+            for step, row in list(self.by_step.items()):
+                for r in outside:
+                    row.pop(r, None)
+                if not row:
+                    del self.by_step[step]
 
     def _on_step(self, view: RankView, msg: Step, rx_ns: int) -> bool:
         row = self.by_step.setdefault(msg.step, {})
