@@ -646,12 +646,7 @@ def _list(limit: int, item: Checker, of_str: bool) -> Checker:
             raise _too_many(len(value), limit)
         if of_str and set(map(type, value)) <= _STR_ONLY:
             return  # the common case, at C speed
-        for i, v in enumerate(value):
-            try:
-                item(v)
-            except _Invalid as bad:
-                bad.path.insert(0, f"[{i}]")
-                raise
+        _each(value, item)
 
     return check
 
@@ -687,18 +682,18 @@ def _int_list(limit: int) -> Any:
             if len(value) > limit:
                 raise _too_many(len(value), limit)
             if not set(map(type, value)) <= _INT_ONLY:
-                _int_items(value)
+                _each(value, _check_int)  # names the first item that is not an int
             if min(value) < _I64_MIN or max(value) > _U64:
                 raise _Invalid("integer out of range")
 
     return check
 
 
-def _int_items(value: list[Any]) -> None:
-    # Only reached when some item is not an int: names the first bad one.
+def _each(value: list[Any], check: Checker) -> None:
+    """``check`` every item; a failure names the item's index."""
     for i, v in enumerate(value):
         try:
-            _check_int(v)
+            check(v)
         except _Invalid as bad:
             bad.path.insert(0, f"[{i}]")
             raise
@@ -706,18 +701,14 @@ def _int_items(value: list[Any]) -> None:
 
 def _tensor_list(width: int) -> Any:
     """run_info.params ([name, shape, dtype, requires_grad]) or .buffers ([name, shape, dtype])."""
+    entry = functools.partial(_check_tensor, width=width)
 
     def check(value: Any) -> None:
         if type(value) is not list:
             raise _Invalid(f"expected list, got {type(value).__name__}")
         if len(value) > MAX_TENSORS:
             raise _too_many(len(value), MAX_TENSORS)
-        for i, entry in enumerate(value):
-            try:
-                _check_tensor(entry, width)
-            except _Invalid as bad:
-                bad.path.insert(0, f"[{i}]")
-                raise
+        _each(value, entry)
 
     return check
 
@@ -751,12 +742,7 @@ def _check_threads(value: Any) -> None:
         raise _Invalid(f"expected list, got {type(value).__name__}")
     if len(value) > MAX_ITEMS:
         raise _too_many(len(value), MAX_ITEMS)
-    for i, thread in enumerate(value):
-        try:
-            _check_thread(thread)
-        except _Invalid as bad:
-            bad.path.insert(0, f"[{i}]")
-            raise
+    _each(value, _check_thread)
 
 
 def _check_thread(thread: Any) -> None:
