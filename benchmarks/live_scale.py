@@ -46,7 +46,7 @@ from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import decode, encode
 from ddpscope.transport.decodepool import flatten, rebuild
-from tests.support.synth import MS, Phases, healthy, lockstep, run_infos
+from tests.support.synth import MS, FrozenClock, Phases, healthy, lockstep, run_infos
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,17 +58,6 @@ TICK_NS = 250 * MS
 SNAPSHOT_NS = 500 * MS
 #: Messages per batch a decode worker answers (the ingest thread's BATCH).
 BATCH = 2048
-
-
-class StreamClock:
-    def __init__(self) -> None:
-        self.ns = 0
-
-    def mono_ns(self) -> int:
-        return self.ns
-
-    def wall_ns(self) -> int:
-        return self.ns
 
 
 def wire(world: int, steps: int, seed: int = 0) -> Iterator[list[tuple[int, bytes]]]:
@@ -105,14 +94,14 @@ class Driver:
     """Ticks and snapshots on the stream's clock, as the live feed and the UI do."""
 
     def __init__(self) -> None:
-        self.clock = StreamClock()
+        self.clock = FrozenClock(0, 0)
         self.monitor = Monitor(clock=self.clock)
         self.next_tick = 0
         self.next_snap = 0
         self.snap_cpu = 0.0
 
     def take(self, msg: Any, t: int) -> None:
-        self.clock.ns = t
+        self.clock.at(t)
         self.monitor.take(msg, t)
         if t >= self.next_tick:
             self.next_tick = t + TICK_NS

@@ -736,6 +736,10 @@ class FrozenClock:
         self.mono += ns
         self.wall += ns
 
+    def at(self, ns: int) -> None:
+        """Both clocks read ``ns``: the watcher's time follows a replayed stream."""
+        self.mono = self.wall = ns
+
 
 def clock_at(run: SyntheticRun, step: int) -> FrozenClock:
     """A frozen watcher clock reading the moment ``step`` starts on the senders' clocks."""

@@ -16,7 +16,7 @@ from ddpscope.analysis import monitor as monitor_mod
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import Step, decode, encode
-from tests.support.synth import MS, Phases, healthy, lockstep, run_infos
+from tests.support.synth import MS, FrozenClock, Phases, healthy, lockstep, run_infos
 
 WORLD = 32
 BUCKETS = 32
@@ -28,19 +28,6 @@ PER_STEP_MAX = 3_000
 #: slack) fill by step 40, the longest detector windows by ~300 (measured to step 800).
 STEPS, FULL = 500, 320
 BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)
-
-
-class StreamClock:
-    """The monitor's clock follows the stream, as if it were live."""
-
-    def __init__(self) -> None:
-        self.ns = 0
-
-    def mono_ns(self) -> int:
-        return self.ns
-
-    def wall_ns(self) -> int:
-        return self.ns
 
 
 def _wire(steps: int) -> list[tuple[int, bytes]]:
@@ -56,13 +43,13 @@ def _wire(steps: int) -> list[tuple[int, bytes]]:
     return out
 
 
-def _held_after(mon: Monitor, clock: StreamClock, wire, marks: set[int]) -> dict[int, int]:
+def _held_after(mon: Monitor, clock: FrozenClock, wire, marks: set[int]) -> dict[int, int]:
     """Bytes tracemalloc counts as held when the stream reaches each step in ``marks``."""
     held = {}
     last_snapshot = 0
     for t, raw in wire:
         msg = decode(raw)
-        clock.ns = t
+        clock.at(t)
         mon.take(msg, t)
         if t - last_snapshot >= 1_000 * MS:
             last_snapshot = t
@@ -80,7 +67,7 @@ def test_held_memory_stays_flat_once_the_windows_are_full(monkeypatch) -> None:
     # them under the real budget.
     monkeypatch.setattr(monitor_mod, "STEP_BUDGET", WORLD * HISTORY)
     wire = _wire(STEPS)
-    clock = StreamClock()
+    clock = FrozenClock(0, 0)
     mon = Monitor(clock=clock)
     marks = set(range(FULL, STEPS, 10))
     gc.collect()
@@ -109,7 +96,7 @@ def test_held_memory_stays_flat_once_the_windows_are_full(monkeypatch) -> None:
 
 def test_a_kept_step_reads_the_same_numbers_as_the_decoded_one() -> None:
     wire = _wire(3)
-    clock = StreamClock()
+    clock = FrozenClock(0, 0)
     mon = Monitor(detectors=[], clock=clock)
     decoded = [decode(raw) for _, raw in wire]
     for t, raw in wire:
