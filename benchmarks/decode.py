@@ -7,6 +7,11 @@ heartbeats), encoded once, then decoded --rounds times; CPU time of this
 thread, so other processes on the machine barely move it. Median and range
 over the rounds, per message and in MB/s of encoded bytes.
 
+Each round also decodes the stream with the decoder as it was before the
+generated fast decoders (tests/support/schema_before.py), in alternating order,
+so that "before" and "after" share the machine's state; ``speedup`` is the
+median and range of the per-round ratios. --no-before leaves it out.
+
     python -m benchmarks.decode [--world 8] [--steps 200] [--buckets 32] [--rounds 9]
 """
 
@@ -16,9 +21,27 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any
 
 from ddpscope.schema import decode, encode
-from tests.support import synth
+from tests.support import schema_before, synth
+
+
+def _round(decoder: Callable[[bytes], Any], bufs: list[bytes]) -> float:
+    began = time.thread_time()
+    for b in bufs:
+        decoder(b)
+    return (time.thread_time() - began) / len(bufs)
+
+
+def _figures(per_msg: list[float], size_per_msg: float) -> dict[str, Any]:
+    med = statistics.median(per_msg)
+    return {
+        "us_per_msg": {"median": round(med * 1e6, 2), "min": round(min(per_msg) * 1e6, 2),
+                       "max": round(max(per_msg) * 1e6, 2)},
+        "mb_per_s": round(size_per_msg / med / 1e6, 1),
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -27,6 +50,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--buckets", type=int, default=32)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--no-before", action="store_true", help="time only today's decoder")
     args = p.parse_args()
     msgs = [
         *synth.run_infos(args.world),
@@ -37,20 +61,25 @@ def main() -> None:
     ]  # fmt: skip
     bufs = [encode(m) for m in msgs]
     size = sum(map(len, bufs))
-    per_msg = []
-    for _ in range(args.rounds):
-        began = time.thread_time()
-        for b in bufs:
-            decode(b)
-        per_msg.append((time.thread_time() - began) / len(bufs))
-    med = statistics.median(per_msg)
-    print(json.dumps({
-        "messages": len(bufs),
-        "mb": round(size / 1e6, 2),
-        "us_per_msg": {"median": round(med * 1e6, 1), "min": round(min(per_msg) * 1e6, 1),
-                       "max": round(max(per_msg) * 1e6, 1)},
-        "mb_per_s": round(size / len(bufs) / med / 1e6, 1),
-    }, indent=2))  # fmt: skip
+    after: list[float] = []
+    before: list[float] = []
+    for i in range(args.rounds):
+        if args.no_before:
+            after.append(_round(decode, bufs))
+        elif i % 2:
+            after.append(_round(decode, bufs))
+            before.append(_round(schema_before.decode, bufs))
+        else:
+            before.append(_round(schema_before.decode, bufs))
+            after.append(_round(decode, bufs))
+    out: dict[str, Any] = {"messages": len(bufs), "mb": round(size / 1e6, 2)}
+    out.update(_figures(after, size / len(bufs)))
+    if before:
+        ratios = [b / a for b, a in zip(before, after, strict=True)]
+        out["before"] = _figures(before, size / len(bufs))
+        out["speedup"] = {"median": round(statistics.median(ratios), 2),
+                          "min": round(min(ratios), 2), "max": round(max(ratios), 2)}  # fmt: skip
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

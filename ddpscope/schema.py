@@ -25,6 +25,8 @@ from typing import Any, ClassVar, Union, get_args, get_origin
 
 import msgpack
 
+from ddpscope.schema_codec import MISSING, FieldPlan, compile_decoder
+
 #: Bumped on any change that an older reader would misread. Readers reject
 #: other versions with a clear message instead of guessing.
 SCHEMA_VERSION = 1
@@ -769,26 +771,23 @@ def _check_thread(thread: Any) -> None:
             _check_plain(v, 1)
 
 
+#: Most items of list[int] and list[str] fields whose bound is not MAX_ITEMS.
+_LIMITS: dict[tuple[str, str], int] = {
+    **{("step", f): MAX_BUCKETS for f in ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns")},
+    **{
+        ("step", f): MAX_STEP_COLLECTIVES
+        for f in ("c_op", "c_class", "c_group", "c_site", "c_nbytes", "c_offset_ns", "c_dur_ns")
+    },
+    ("buckets", "index"): MAX_BUCKETS,
+    ("buckets", "nbytes"): MAX_BUCKETS,
+    ("buckets", "dtype"): MAX_BUCKETS,
+    ("fingerprint", "params"): MAX_TENSORS,
+    ("fingerprint", "buffers"): MAX_TENSORS,
+}
+
 #: Checkers for fields whose annotation alone says too little or too much.
 _FIELD_CHECKS: dict[tuple[str, str], Any] = {
-    **{
-        ("step", f): _int_list(MAX_BUCKETS)
-        for f in ("b_index", "b_nbytes", "b_offset_ns", "b_dur_ns")
-    },
-    **{
-        ("step", f): _int_list(MAX_STEP_COLLECTIVES)
-        for f in ("c_nbytes", "c_offset_ns", "c_dur_ns")
-    },
-    **{
-        ("step", f): (lambda v: _check(v, list[str], MAX_STEP_COLLECTIVES))
-        for f in ("c_op", "c_class", "c_group", "c_site")
-    },
-    ("buckets", "index"): _int_list(MAX_BUCKETS),
-    ("buckets", "nbytes"): _int_list(MAX_BUCKETS),
-    ("buckets", "dtype"): lambda v: _check(v, list[str], MAX_BUCKETS),
     ("buckets", "params"): lambda v: _check(v, list[list[int]], MAX_BUCKETS),
-    ("fingerprint", "params"): _int_list(MAX_TENSORS),
-    ("fingerprint", "buffers"): _int_list(MAX_TENSORS),
     ("run_info", "params"): _tensor_list(4),
     ("run_info", "buffers"): _tensor_list(3),
     ("stacks", "threads"): _check_threads,
@@ -811,9 +810,10 @@ def _compile(kind: str, name: str, hint: Any) -> Any:
     special = _FIELD_CHECKS.get((kind, name))
     if special is not None:
         return special
+    limit = _LIMITS.get((kind, name), MAX_ITEMS)
     if hint == list[int]:
-        return _int_list(MAX_ITEMS)
-    return _checker(hint)
+        return _int_list(limit)
+    return _checker(hint, limit)
 
 
 class _Spec:
@@ -834,6 +834,62 @@ class _Spec:
 
 
 _SPECS = {kind: _Spec(cls) for kind, cls in MESSAGE_TYPES.items()}
+
+#: What msgpack builds: a field typed ``Any`` may hold any of them.
+_MSGPACK_TYPES = (type(None), bool, int, float, str, bytes, list, dict)
+_EXACT: dict[Any, tuple[type, ...]] = {
+    int: (int,),
+    bool: (bool,),
+    float: (float, int),  # _check_float takes an int where a float is due
+    str: (str,),
+}
+#: Inclusive bounds the checking decoder enforces after the types (its tail), besides
+#: every kind's rank.
+_BOUNDS: dict[tuple[str, str], tuple[int | None, int | None]] = {
+    ("run_info", "world_size"): (1, MAX_WORLD_SIZE),
+}
+_RANK_BOUNDS: tuple[int | None, int | None] = (0, MAX_WORLD_SIZE - 1)
+
+
+def _passes(check: Checker) -> Callable[[Any], bool]:
+    def ok(value: Any) -> bool:
+        try:
+            check(value)
+        except _Invalid:
+            return False
+        return True
+
+    return ok
+
+
+def _plan(spec: _Spec, f: dataclasses.Field[Any], hint: Any) -> FieldPlan:
+    """``f``'s checks as the fast decoder takes them: the same as ``spec`` makes."""
+    kind = spec.cls.KIND
+    factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
+    default = MISSING if f.default is dataclasses.MISSING else f.default
+    bounds = _RANK_BOUNDS if f.name == "rank" else _BOUNDS.get((kind, f.name), (None, None))
+    low, high = bounds
+    exact = _EXACT.get(hint)
+    if exact is not None:
+        return FieldPlan(f.name, exact, low=low, high=high, default=default, factory=factory)
+    if (kind, f.name) not in _FIELD_CHECKS and hint in (list[int], list[str]):
+        limit = _LIMITS.get((kind, f.name), MAX_ITEMS)
+        (item,) = get_args(hint)
+        return FieldPlan(f.name, (list,), item, limit, default=default, factory=factory)
+    origin = get_origin(hint)
+    shape = (origin,) if origin in (list, dict) else _MSGPACK_TYPES
+    ok = _passes(spec.fields[f.name])
+    return FieldPlan(f.name, shape, ok=ok, default=default, factory=factory)
+
+
+def _fast(spec: _Spec) -> Callable[[dict[Any, Any]], Any]:
+    hints = typing.get_type_hints(spec.cls)
+    plans = [_plan(spec, f, hints[f.name]) for f in dataclasses.fields(spec.cls)]
+    return compile_decoder(spec.cls, plans, spec.parallel)
+
+
+#: Per kind, the generated decoder that takes the common case (see schema_codec).
+_FAST = {kind: _fast(spec) for kind, spec in _SPECS.items()}
 
 
 def _no_ext(code: int, data: bytes) -> Any:
@@ -868,6 +924,21 @@ def _unpack(buf: bytes) -> Any:
 def decode(buf: bytes) -> Message:
     """Decode and validate one message. Raises SchemaError on anything odd."""
     body = _unpack(buf)
+    if type(body) is dict and body.get("v") == SCHEMA_VERSION:
+        kind = body.get("k")
+        fast = _FAST.get(kind) if type(kind) is str else None
+        if fast is not None:
+            msg = fast(body)
+            if msg is not None:
+                return msg
+    return _decode_checked(body)
+
+
+def _decode_checked(body: Any) -> Message:
+    """Check every field of an unpacked message and say what is wrong, if anything.
+
+    Every message the generated decoders take is valid here too; this path
+    decides the rest, and words every error."""
     if not isinstance(body, dict):
         raise SchemaError("not a map", f"message is a {type(body).__name__}, expected a map")
     version = body.get("v")
