@@ -843,12 +843,15 @@ _EXACT: dict[Any, tuple[type, ...]] = {
     float: (float, int),  # _check_float takes an int where a float is due
     str: (str,),
 }
-#: Inclusive bounds the checking decoder enforces after the types (its tail), besides
-#: every kind's rank.
+#: Inclusive bounds of ints the checking decoder enforces besides their types: the
+#: version and rank of every kind, and these.
 _BOUNDS: dict[tuple[str, str], tuple[int | None, int | None]] = {
     ("run_info", "world_size"): (1, MAX_WORLD_SIZE),
 }
-_RANK_BOUNDS: tuple[int | None, int | None] = (0, MAX_WORLD_SIZE - 1)
+_ENVELOPE_BOUNDS: dict[str, tuple[int | None, int | None]] = {
+    "v": (SCHEMA_VERSION, SCHEMA_VERSION),
+    "rank": (0, MAX_WORLD_SIZE - 1),
+}
 
 
 def _passes(check: Checker) -> Callable[[Any], bool]:
@@ -866,8 +869,9 @@ def _plan(spec: _Spec, f: dataclasses.Field[Any], hint: Any) -> FieldPlan:
     """``f``'s checks as the fast decoder takes them: the same as ``spec`` makes."""
     kind = spec.cls.KIND
     factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
-    default = MISSING if f.default is dataclasses.MISSING else f.default
-    bounds = _RANK_BOUNDS if f.name == "rank" else _BOUNDS.get((kind, f.name), (None, None))
+    # The version has a default for the dataclass, but a message must carry it.
+    default = MISSING if f.default is dataclasses.MISSING or f.name == "v" else f.default
+    bounds = _ENVELOPE_BOUNDS.get(f.name) or _BOUNDS.get((kind, f.name), (None, None))
     low, high = bounds
     exact = _EXACT.get(hint)
     if exact is not None:
@@ -898,11 +902,12 @@ def _no_ext(code: int, data: bytes) -> Any:
     raise SchemaError("not a msgpack message", f"extension type {code} is not used by ddpscope")
 
 
-def _unpack(buf: bytes) -> Any:
+def decode(buf: bytes) -> Message:
+    """Decode and validate one message. Raises SchemaError on anything odd."""
     if len(buf) > MAX_MESSAGE_BYTES:
         raise SchemaError("message too large", f"{len(buf)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        return msgpack.unpackb(
+        body = msgpack.unpackb(
             buf,
             raw=False,
             strict_map_key=True,
@@ -919,16 +924,11 @@ def _unpack(buf: bytes) -> Any:
         raise SchemaError(
             "not a msgpack message", f"{exc.__class__.__name__}: {str(exc)[:200]}"
         ) from None
-
-
-def decode(buf: bytes) -> Message:
-    """Decode and validate one message. Raises SchemaError on anything odd."""
-    body = _unpack(buf)
-    if type(body) is dict and body.get("v") == SCHEMA_VERSION:
+    if type(body) is dict:
         kind = body.get("k")
         fast = _FAST.get(kind) if type(kind) is str else None
         if fast is not None:
-            msg = fast(body)
+            msg = fast(body)  # checks the version too
             if msg is not None:
                 return msg
     return _decode_checked(body)
