@@ -25,6 +25,7 @@ from ddpscope.schema import (
     MAX_BUCKETS,
     MAX_ITEMS,
     MAX_STEP_COLLECTIVES,
+    MAX_TENSORS,
     MAX_WORLD_SIZE,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -193,6 +194,15 @@ def test_bounds_and_parallel_lengths_are_judged_as_before() -> None:
     for name in (*b_lists, *c_lists):
         _same(_packed({**step, name: step[name][:-1]}))
         _same(_packed({**step, name: []}))
+    layout = next(b for b in BODIES if b["k"] == "buckets")
+    for n in (MAX_BUCKETS, MAX_BUCKETS + 1):
+        _same(_packed({**layout, "index": [0] * n, "nbytes": [0] * n, "dtype": ["f"] * n,
+                       "params": [[0]] * n}))  # fmt: skip
+        for name, value in (("index", 0), ("nbytes", 0), ("dtype", "f"), ("params", [0])):
+            _same(_packed({**layout, name: [value] * n}))
+    prints = next(b for b in BODIES if b["k"] == "fingerprint")
+    for n in (MAX_TENSORS, MAX_TENSORS + 1):
+        _same(_packed({**prints, "params": [7] * n}))
     ops = {"v": SCHEMA_VERSION, "k": "collectives", "run": "r", "rank": 0, "step": 1}
     for n in (MAX_ITEMS, MAX_ITEMS + 1):
         _same(_packed({**ops, "ops": ["x"] * n}))
