@@ -12,19 +12,25 @@ generated fast decoders (tests/support/schema_before.py), in alternating order,
 so that "before" and "after" share the machine's state; ``speedup`` is the
 median and range of the per-round ratios. --no-before leaves it out.
 
-    python -m benchmarks.decode [--world 8] [--steps 200] [--buckets 32] [--rounds 9]
+--lean leaves out of each message the fields that hold their default, as the
+publisher does for a step without collectives or a heartbeat outside one.
+
+    python -m benchmarks.decode [--world 8] [--steps 200] [--buckets 32] [--rounds 9] [--lean]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ddpscope.schema import decode, encode
+import msgpack
+
+from ddpscope.schema import Message, decode, encode
 from tests.support import schema_before, synth
 
 
@@ -33,6 +39,15 @@ def _round(decoder: Callable[[bytes], Any], bufs: list[bytes]) -> float:
     for b in bufs:
         decoder(b)
     return (time.thread_time() - began) / len(bufs)
+
+
+def _lean(msg: Message) -> bytes:
+    body = msgpack.unpackb(encode(msg))
+    for f in dataclasses.fields(msg):
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if f.name != "v" and body[f.name] == default:
+            del body[f.name]
+    return msgpack.packb(body, use_bin_type=True)
 
 
 def _figures(per_msg: list[float], size_per_msg: float) -> dict[str, Any]:
@@ -51,6 +66,7 @@ def main() -> None:
     p.add_argument("--buckets", type=int, default=32)
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--no-before", action="store_true", help="time only today's decoder")
+    p.add_argument("--lean", action="store_true", help="leave out fields that hold their default")
     args = p.parse_args()
     msgs = [
         *synth.run_infos(args.world),
@@ -59,7 +75,7 @@ def main() -> None:
             buffers=True, loss_allreduce=True,
         ),
     ]  # fmt: skip
-    bufs = [encode(m) for m in msgs]
+    bufs = [_lean(m) if args.lean else encode(m) for m in msgs]
     size = sum(map(len, bufs))
     after: list[float] = []
     before: list[float] = []

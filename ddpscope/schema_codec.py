@@ -76,7 +76,6 @@ def compile_decoder(
     lengths. ``cls`` must be a slotted class with one slot per plan."""
     names = tuple(p.name for p in plans)
     env: dict[str, Any] = {
-        "NAMES": names,
         "ALL": operator.itemgetter(*names),
         "USUAL": tuple(p.types[0] for p in plans),
         "ALLOWED": tuple(frozenset(p.types) for p in plans),
@@ -134,21 +133,22 @@ def compile_decoder(
         env[f"ONLY_{j}"] = frozenset({item})
         joined = lists[0] if len(lists) == 1 else "[" + ", ".join(f"*{n}" for n in lists) + "]"
         conds.append(f"set(map(type, {joined})) <= ONLY_{j}")
-    env["DEFAULTS"] = tuple(defaults)
+    env["DEFAULTS"] = {p.name: d for p, d in zip(plans, defaults, strict=True) if d is not MISSING}
     kind = getattr(cls, "KIND", cls.__name__)
     src = [
         f"def decode_{kind}(body):",
         # Fetching every field at once is the quicker way when the sender sent them all.
-        f"    if len(body) >= {len(names)}:",
+        f"    partial = len(body) < {len(names)}",
+        "    if not partial:",
         "        try:",
         "            vals = ALL(body)",
-        "            partial = False",
         "        except KeyError:",
-        "            vals = tuple(map(body.get, NAMES, DEFAULTS))",
         "            partial = True",
-        "    else:",
-        "        vals = tuple(map(body.get, NAMES, DEFAULTS))",
-        "        partial = True",
+        "    if partial:",
+        "        try:",
+        "            vals = ALL({**DEFAULTS, **body})",
+        "        except KeyError:",
+        "            return None  # a required field is missing",
         "    if tuple(map(type, vals)) != USUAL and not all(",
         "        map(contains, ALLOWED, map(type, vals))",
         "    ):",
