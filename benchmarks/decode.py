@@ -12,6 +12,9 @@ generated fast decoders (tests/support/schema_before.py), in alternating order,
 so that "before" and "after" share the machine's state; ``speedup`` is the
 median and range of the per-round ratios. --no-before leaves it out.
 
+``unpack_only`` times msgpack.unpackb alone on the same bytes: the floor under
+any decoder that reads msgpack from Python.
+
 --lean leaves out of each message the fields that hold their default, as the
 publisher does for a step without collectives or a heartbeat outside one.
 
@@ -79,7 +82,9 @@ def main() -> None:
     size = sum(map(len, bufs))
     after: list[float] = []
     before: list[float] = []
+    unpack: list[float] = []
     for i in range(args.rounds):
+        unpack.append(_round(msgpack.unpackb, bufs))
         if args.no_before:
             after.append(_round(decode, bufs))
         elif i % 2:
@@ -90,6 +95,7 @@ def main() -> None:
             after.append(_round(decode, bufs))
     out: dict[str, Any] = {"messages": len(bufs), "mb": round(size / 1e6, 2)}
     out.update(_figures(after, size / len(bufs)))
+    out["unpack_only"] = _figures(unpack, size / len(bufs))
     if before:
         ratios = [b / a for b, a in zip(before, after, strict=True)]
         out["before"] = _figures(before, size / len(bufs))
