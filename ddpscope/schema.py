@@ -8,6 +8,12 @@ raises :class:`SchemaError` with a message naming the field.
 This module imports neither torch nor textual. docs/wire-schema.md documents
 every field with its unit and when it is sent; keep the two in step.
 
+Decoding takes two paths: for each kind a decoder generated at import
+(ddpscope/schema_codec.py, from the plans this module makes of each field)
+takes a valid message at C speed, and whatever it is not sure of goes to the
+field-by-field checks here, which accept it or name what is wrong. Both are
+made from the same annotations and tables, so they cannot drift apart.
+
 Long module: the message classes and the decoder are one contract: the decoder
 compiles each kind's checks from its dataclass's annotations, so a field and its check
 change together here (240 of the lines are field comments and blanks).
