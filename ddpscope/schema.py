@@ -12,7 +12,10 @@ Decoding takes two paths: for each kind a decoder generated at import
 (ddpscope/schema_codec.py, from the plans this module makes of each field)
 takes a valid message at C speed, and whatever it is not sure of goes to the
 field-by-field checks here, which accept it or name what is wrong. Both are
-made from the same annotations and tables, so they cannot drift apart.
+made from the same annotations and tables (the bounds of rank and world size
+are written twice: _ENVELOPE_BOUNDS and _BOUNDS, and the tail of
+_decode_checked); tests/unit/test_decode_equivalence.py holds the pair to the
+decoder before it.
 
 Long module: the message classes and the decoder are one contract: the decoder
 compiles each kind's checks from its dataclass's annotations, so a field and its check
