@@ -845,7 +845,7 @@ class _Spec:
 _SPECS = {kind: _Spec(cls) for kind, cls in MESSAGE_TYPES.items()}
 
 #: What msgpack builds: a field typed ``Any`` may hold any of them.
-_MSGPACK_TYPES = (type(None), bool, int, float, str, bytes, list, dict)
+_MSGPACK_TYPES = (type(None), bool, int, float, str, bytes, list, dict, msgpack.Timestamp)
 _EXACT: dict[Any, tuple[type, ...]] = {
     int: (int,),
     bool: (bool,),

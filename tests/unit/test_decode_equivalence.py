@@ -154,6 +154,10 @@ _EDGES: list[Any] = [
     {"x": 1},
     {"x": "y"},
     {"x": True},
+    msgpack.Timestamp(1, 0),
+    [msgpack.Timestamp(1, 0)],
+    {"x": msgpack.Timestamp(1, 0)},
+    msgpack.ExtType(5, b"x"),
 ]
 
 
