@@ -880,8 +880,7 @@ def _plan(spec: _Spec, f: dataclasses.Field[Any], hint: Any) -> FieldPlan:
     factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
     # The version has a default for the dataclass, but a message must carry it.
     default = MISSING if f.default is dataclasses.MISSING or f.name == "v" else f.default
-    bounds = _ENVELOPE_BOUNDS.get(f.name) or _BOUNDS.get((kind, f.name), (None, None))
-    low, high = bounds
+    low, high = _ENVELOPE_BOUNDS.get(f.name) or _BOUNDS.get((kind, f.name), (None, None))
     exact = _EXACT.get(hint)
     if exact is not None:
         return FieldPlan(f.name, exact, low=low, high=high, default=default, factory=factory)

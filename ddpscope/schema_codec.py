@@ -12,10 +12,13 @@ checking decoder stays the one place that words errors.
 Why generated code: the checking decoder calls one checker per field and builds
 the message through the frozen dataclass's ``__init__`` (an
 ``object.__setattr__`` per field); at ~40 fields a step message that was most of
-decode's time. Here the values are fetched and their types compared for the
-whole message at C speed (``map`` over the field names and over ``type``), the
-items of every int or str list are checked at C speed (one set of item types),
-and the message is filled through its slots' descriptors, skipping ``__init__``.
+decode's time. Here the values are fetched with one ``itemgetter`` (after one
+dict merge with the defaults when the sender left fields out) and their types
+compared for the whole message at C speed (``map`` over ``type``), the items of
+every int or str list are checked at C speed (one set of item types over all of
+them), and the message is filled through its slots' descriptors, skipping
+``__init__``. The source is made from the message classes' own field names and
+the schema's constants, never from input.
 
 Values come from msgpack only, which has no int wider than 64 bits and builds
 exact ``int``/``float``/``str``/``list``/``dict`` objects (never subclasses), so
@@ -34,12 +37,12 @@ from typing import Any
 
 
 class _Missing:
-    """The value of a field the map lacks: a type that no field allows."""
+    """Marks a field without a default."""
 
     __slots__ = ()
 
 
-#: Stands for a required field that is absent.
+#: The default of a required field: a map without it is left to the checking decoder.
 MISSING: Any = _Missing()
 
 
