@@ -64,7 +64,7 @@ def _lean(msg: Message) -> bytes:
 #: Parts of the generated step decoder's source, and how to cut each out.
 _CUTS: dict[str, tuple[str, str]] = {
     "fill_slots": (r"\n    SET_\d+\(msg, \w+\)", ""),
-    "list_item_types": (r"set\(map\(type, [^\n]*\)\) <= ONLY_\d+", "True"),
+    "list_item_types": (r"ONLY_\d+\(map\(type, [^\n]*\)\)", "True"),
     "field_types": (r"tuple\(map\(type, vals\)\) != USUAL", "False"),
 }
 
