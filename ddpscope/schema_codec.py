@@ -64,8 +64,13 @@ class FieldPlan:
     ok: Callable[[Any], bool] | None = None
     #: The value when absent (MISSING: the field is required).
     default: Any = MISSING
-    #: Makes the value when absent, instead of ``default`` (a fresh list or dict).
+    #: Makes the value when absent, instead of ``default``: list or dict (msgpack
+    #: builds nothing else mutable).
     factory: Callable[[], Any] | None = None
+
+
+#: What the generated code writes for a fresh value of each factory.
+_FRESH: dict[Any, str] = {list: "[]", dict: "{}"}
 
 
 Decoder = Callable[[dict[Any, Any]], Any]
@@ -101,10 +106,7 @@ def compile_decoder(
             empty = p.factory()
             env[f"EMPTY_{i}"] = empty
             defaults.append(empty)
-            fresh = {list: "[]", dict: "{}"}.get(p.factory)  # type: ignore[call-overload]
-            if fresh is None:
-                env[f"FACTORY_{i}"] = p.factory
-                fresh = f"FACTORY_{i}()"
+            fresh = _FRESH[p.factory]
             fixes.append(f"        if {var} is EMPTY_{i}:\n            {var} = {fresh}")
         else:
             defaults.append(p.default)
