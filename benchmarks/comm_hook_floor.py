@@ -81,7 +81,7 @@ def worker(args: argparse.Namespace) -> None:
     import ddpscope
 
     ddpscope.attach(models["ddpscope"])
-    ddpscope.attach(models["ddpscope_all"]).tracker.fixed_every = 1
+    ddpscope.attach(models["ddpscope_all"], bucket_every=1)  # hook at attach, every step
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in models.items()}
     x = torch.randn(64, width)
 

@@ -83,8 +83,14 @@ def check_job() -> dict[str, Any]:
     from ddpscope.schema import Fingerprint, Heartbeat, Step
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, DDPSCOPE_RECORD=f"{tmp}/rec", DDPSCOPE_ENDPOINT=f"ipc://{tmp}/s",
-                   DDPSCOPE_CHECKSUM_EVERY="4", PYTHONPATH=str(ROOT))  # fmt: skip
+        env = dict(
+            os.environ,
+            DDPSCOPE_RECORD=f"{tmp}/rec",
+            DDPSCOPE_ENDPOINT=f"ipc://{tmp}/s",
+            DDPSCOPE_CHECKSUM_EVERY="4",
+            DDPSCOPE_BUCKET_EVERY="4",
+            PYTHONPATH=str(ROOT),
+        )  # buckets timed every 4th step: the CUDA event path
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node=1", str(ROOT / "demos" / "train.py"), "--epochs", "2",
                "--samples", "4096", "--batch", "256", "--width", "2048",
@@ -138,9 +144,15 @@ def check_hot_path() -> dict[str, Any]:
                 net = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).cuda()
                 return DDP(net, device_ids=[0], bucket_cap_mb=4)
 
-            plain, watched = make(), make()
-            handle = ddpscope.attach(watched)
-            opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
+            plain, watched, untimed = make(), make(), make()
+            # Buckets timed every 4th step (the hook's timed and cheap paths);
+            # the third model is at defaults, where 16 buckets on a short step
+            # keep DDP's C++ path (autograd callbacks only).
+            handle = ddpscope.attach(watched, bucket_every=4)
+            quiet = ddpscope.attach(untimed)
+            assert isinstance(handle, attach_mod.Handle) and isinstance(quiet, attach_mod.Handle)
+            models = (plain, watched, untimed)
+            opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in models}
             x = torch.randn(256, 1024, device="cuda")
 
             def train(m: DDP, n: int) -> None:
@@ -158,11 +170,15 @@ def check_hot_path() -> dict[str, Any]:
                 after = torch.cuda.memory_stats().get("allocation.all.allocated", 0)
                 return (after - before) / n
 
-            for m in (plain, watched):
+            for m in models:
                 train(m, 40)  # warm-up: bucket rebuild, the sampling interval settles
-            per_step = {"plain": allocations(plain, 64), "watched": allocations(watched, 64)}
+            per_step = {
+                "plain": allocations(plain, 64),
+                "watched": allocations(watched, 64),
+                "untimed": allocations(untimed, 64),
+            }
             synced = {}
-            for name, m in (("plain", plain), ("watched", watched)):
+            for name, m in (("plain", plain), ("watched", watched), ("untimed", untimed)):
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     train(m, 64)  # covers timed and untimed bucket steps
@@ -172,14 +188,18 @@ def check_hot_path() -> dict[str, Any]:
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
             every = handle.tracker.bucket_every
+            hooked = {"watched": handle.comm is not None, "untimed": quiet.comm is not None}
             attach_mod._reset_for_tests()
         finally:
             dist.destroy_process_group()
     return {
-        "ok": not synced["watched"] and per_step["watched"] <= per_step["plain"],
+        "ok": not synced["watched"]
+        and not synced["untimed"]
+        and max(per_step["watched"], per_step["untimed"]) <= per_step["plain"],
         "allocations_per_step": per_step,
         "synchronising_call": synced,
         "bucket_every": every,
+        "comm_hook": hooked,
     }
 
 

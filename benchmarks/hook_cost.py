@@ -60,10 +60,10 @@ def block(
 
 def measure(layers: int, one_bucket: bool, blocks: int, steps: int, every: int) -> dict:
     plain, watched = make(layers, one_bucket), make(layers, one_bucket)
-    handle = ddpscope.attach(watched)
+    # every: 0 = defaults (the comm hook only where it fits the step), N = hook
+    # registered at attach with detail every N steps.
+    handle = ddpscope.attach(watched, bucket_every=every)
     tracker = handle.tracker if isinstance(handle, attach_mod.Handle) else None
-    if every and tracker is not None:
-        tracker.fixed_every = every
     opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
     x = torch.randn(4, 16)
     for m in (plain, watched):  # warm up, and let DDP rebuild its buckets
@@ -75,6 +75,7 @@ def measure(layers: int, one_bucket: bool, blocks: int, steps: int, every: int) 
             got["with" if m is watched else "without"].append(block(m, opts[id(m)], x, steps))
     buckets = len(tracker._layout) if tracker is not None else 0
     out: dict = {"layers": layers, "buckets": buckets}
+    out["comm_hook"] = isinstance(handle, attach_mod.Handle) and handle.comm is not None
     if tracker is not None:
         out["bucket_every"] = getattr(tracker, "fixed_every", None) or getattr(
             tracker, "bucket_every", 1
@@ -98,7 +99,10 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=201)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument(
-        "--every", type=int, default=0, help="hold bucket detail to every Nth step (0: adapt)"
+        "--every",
+        type=int,
+        default=0,
+        help="register the timing comm hook at attach, detail every Nth step (0: defaults)",
     )
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--record", action="store_true", help="the attached model records to disk")

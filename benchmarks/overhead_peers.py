@@ -41,6 +41,7 @@ from typing import Any
 
 from benchmarks.stats import bootstrap_ci, paired_ci
 from benchmarks.torchjob import job_env, torchrun
+from ddpscope.hooks.bucket_cost import DECIDE_AT_STEP
 
 #: Model shapes that give steps of about this length on one CPU thread here
 #: (40 square layers; the measured step time is reported, not assumed).
@@ -98,9 +99,7 @@ def worker(args: argparse.Namespace) -> None:
         return DDP(net, bucket_cap_mb=cap)
 
     sides: dict[str, DDP] = {"plain": build(), "ddpscope": build()}
-    handle = ddpscope.attach(sides["ddpscope"])
-    if args.every and hasattr(handle, "tracker"):
-        handle.tracker.fixed_every = args.every
+    handle = ddpscope.attach(sides["ddpscope"], bucket_every=args.every)
     if traceml is not None:
         sides["traceml"] = build()
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in sides.items()}
@@ -129,9 +128,12 @@ def worker(args: argparse.Namespace) -> None:
         return (t1 - t0) / args.steps, (c1 - c0) / args.steps
 
     names = list(sides)
+    # Warm-up: DDP rebuilds its buckets; ddpscope decides on its comm hook after
+    # bucket_cost.DECIDE_AT_STEP steps and then adapts its sampling.
+    warm_blocks = max(3, -(-(DECIDE_AT_STEP + 8) // args.steps))
     for n in names:
-        for _ in range(3):
-            block(n)  # warm-up: DDP rebuilds its buckets, ddpscope adapts its sampling
+        for _ in range(warm_blocks):
+            block(n)
     threads = _tool_threads()
     cpu0 = {k: sum(_thread_cpu_s(t) for t in v) for k, v in threads.items()}
     proc0 = time.process_time()
@@ -160,6 +162,7 @@ def worker(args: argparse.Namespace) -> None:
         "steps_each": steps_each,
         "bucket_every": getattr(getattr(handle, "tracker", None), "bucket_every", None),
         "buckets": len(getattr(getattr(handle, "tracker", None), "_layout", {})),
+        "comm_hook": getattr(handle, "comm", None) is not None,
     }
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(out))
     dist.barrier()
@@ -249,6 +252,7 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "layers": LAYERS,
         "buckets": r0["buckets"],
         "bucket_every": r0["bucket_every"],
+        "comm_hook": r0.get("comm_hook"),
         "rounds": args.rounds,
         "steps_per_block": per_block,
         "record": args.record,
@@ -266,7 +270,10 @@ def main() -> None:
     p.add_argument("--record", action="store_true", help="ddpscope records to disk")
     p.add_argument("--no-traceml", action="store_true")
     p.add_argument(
-        "--every", type=int, default=0, help="hold bucket detail to every Nth step (0: adapt)"
+        "--every",
+        type=int,
+        default=0,
+        help="register the timing comm hook at attach, detail every Nth step (0: defaults)",
     )
     p.add_argument("--json", default="")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

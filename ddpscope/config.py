@@ -74,7 +74,9 @@ class Options:
     #: Share of step time periodic fingerprints may cost when N is automatic.
     checksum_budget: float = 0.005
     #: Time every gradient bucket's all-reduce every N steps (after the first
-    #: three); 0 picks N (1..32) so the bookkeeping stays under 0.25% of step time.
+    #: three). 0: register the comm hook only if its floor fits the step
+    #: (hooks/bucket_cost.py), then pick N (1..32) so the bookkeeping stays
+    #: under 0.25% of step time. -1: never (DDP's C++ path throughout).
     bucket_every: int = 0
     #: Seconds between heartbeats (the publisher thread's pace).
     heartbeat_s: float = 1.0
@@ -147,7 +149,8 @@ OPTIONS: dict[str, tuple[str, str]] = {
     ),
     "bucket_every": (
         BUCKET_EVERY_VAR,
-        "time every bucket's all-reduce every N steps (0: automatic, 1: every step)",
+        "time every bucket's all-reduce every N steps (0: automatic, where the comm hook "
+        "fits the step; 1: every step; -1: never)",
     ),
     "heartbeat_s": (HEARTBEAT_S_VAR, "seconds between heartbeats"),
     "resend_s": (RESEND_S_VAR, "seconds between re-sends of run info"),
@@ -201,8 +204,8 @@ def _validate(opts: Options) -> Options:
         raise ConfigError("queue_size must be at least 16")
     if opts.checksum_every < -1:
         raise ConfigError("checksum_every must be -1 (off), 0 (automatic) or a step count")
-    if opts.bucket_every < 0:
-        raise ConfigError("bucket_every must be 0 (automatic) or a step count")
+    if opts.bucket_every < -1:
+        raise ConfigError("bucket_every must be -1 (off), 0 (automatic) or a step count")
     if not 0 < opts.checksum_budget < 1:
         raise ConfigError("checksum_budget must be between 0 and 1")
     opts.resolved_control_endpoint()  # raises on a malformed endpoint

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 
 from ddpscope import config
 from ddpscope.config import ConfigError, Options
-from ddpscope.hooks import collectives, comm, compiled, recipe, runinfo
+from ddpscope.hooks import bucket_cost, collectives, comm, compiled, recipe, runinfo
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
@@ -265,9 +265,15 @@ class Handle:
             model.register_forward_pre_hook(self._guarded(watch.forward_pre), with_kwargs=True),
         ]
         proc.recipe.guard(self._time_collectives, proc, model)
-        self.comm = comm.wrap(model)
-        if self.comm is not None:
+        comm.link(model, self.tracker)
+        self.tracker.request_hook = self._hook_buckets
+        # 0: decided from the first steps' cost (hooks/bucket_cost.py); -1: never.
+        self._bucket_mode = opts.bucket_every
+        if self.comm is not None:  # the user registered a Python hook before attach
             self.comm.tracker = self.tracker
+            self.tracker.hooked_now()
+        elif opts.bucket_every > 0:
+            self._hook_buckets()
         if compiled.compiled_in_place(model):
             # ddp_model.compile() ran before attach: wrap what it made, as if we had seen it.
             model._compiled_call_impl = self.wrap_compiled_call(
@@ -391,7 +397,44 @@ class Handle:
             out.append((HParams.KIND, self.index, fields))
         return out
 
+    @property
+    def comm(self) -> comm.HookState | None:
+        """ddpscope's comm-hook wrapper on this model, once registered."""
+        return getattr(self.model, comm.STATE_ATTR, None)
+
+    def _hook_buckets(self) -> None:
+        """Register ddpscope's comm hook now: buckets are timed from the next step."""
+        if self.comm is None and self.tracker.enabled:
+            comm.wrap(self.model)
+
+    def _decide_bucket_timing(self) -> None:
+        tracker = self.tracker
+        nbytes = list(tracker._layout.values())
+        device = tracker.clock.name
+        median = tracker.median_step_ns()
+        if bucket_cost.hook_fits(nbytes, device, median):
+            self._hook_buckets()
+            return
+        if nbytes and median > 0:
+            cost = bucket_cost.hook_floor_ns(nbytes, device)
+            log.info(
+                "ddpscope: per-bucket all-reduce timing is off: a comm hook on %d buckets "
+                "would cost ~%.0f us of each %.1f ms step (budget %.1f%%); set "
+                "DDPSCOPE_BUCKET_EVERY=1 to time them anyway",
+                len(nbytes),
+                cost / 1e3,
+                median / 1e6,
+                100 * bucket_cost.HOOK_BUDGET,
+            )
+
     def _on_step_end(self, step: int) -> None:
+        if (
+            step == bucket_cost.DECIDE_AT_STEP
+            and self._bucket_mode == 0
+            and self.comm is None
+            and not getattr(self.model, "_comm_hooks", None)
+        ):
+            self._decide_bucket_timing()
         self._proc.recipe.guard(self._proc.recipe.on_step_end, step)
         opts = list(self.tracker.optimizers.values())
         key = hparams_key(opts)

@@ -10,6 +10,11 @@ Future's ``then`` callback: on gloo that callback runs when the reduction is
 done; on NCCL it runs once the work is enqueued on the stream, which is why
 the stamp there is a CUDA event read later, never a host time.
 
+The wrapper is registered only where its floor fits the step
+(hooks/bucket_cost.py); until then, and on models where it does not fit,
+DDP's C++ path runs untouched and ``register_comm_hook`` calls from the
+script go to DDP as they would without ddpscope.
+
 Per-bucket detail is sampled (see ``StepTracker.bucket_every``): between
 detailed steps the wrapper takes an untimed path that does no more than
 DDP's default hook does, minus its Python layers. A Python comm hook cannot
@@ -24,6 +29,7 @@ be a Python object (the reducer asserts it), so a hook entry and one
 import functools
 import logging
 import time
+import weakref
 from typing import Any
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -31,9 +37,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger("ddpscope")
 
-_STATE_ATTR = "_ddpscope_comm"
+STATE_ATTR = "_ddpscope_comm"
 _original_register = DistributedDataParallel.register_comm_hook
 _original_builtin = DistributedDataParallel._register_builtin_comm_hook
+_original_match = DistributedDataParallel._match_all_reduce_for_bwd_pass
+
+#: The step tracker of each attached model (weak: a model is never kept alive,
+#: and nothing ddpscope holds lands in a pickled model).
+_trackers: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: Models whose slot a built-in (C++) hook took before ddpscope wrapped it.
+_builtin_taken: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _none() -> None:
@@ -146,15 +159,28 @@ def _register(model: Any) -> HookState:
     hs = HookState(default_hooks.allreduce_hook, model.process_group)
     _original_register(model, hs, timed_hook)
     model._comm_hooks.pop()  # keep DDP's list to what the user registered
-    setattr(model, _STATE_ATTR, hs)
+    setattr(model, STATE_ATTR, hs)
+    tracker = _trackers.get(model)
+    if tracker is not None:
+        hs.tracker = tracker
+        tracker.hooked_now()
     return hs
+
+
+def link(model: Any, tracker: Any) -> None:
+    """Tell the class-level shims which tracker a model's hooks report to."""
+    _trackers[model] = tracker
+    install_class_shim()
 
 
 def wrap(model: Any) -> HookState | None:
     """Install the timing wrapper; None when the slot was taken before we came."""
-    hs = getattr(model, _STATE_ATTR, None)
+    hs = getattr(model, STATE_ATTR, None)
     if hs is not None:
         return hs
+    if model in _builtin_taken:
+        log.info("ddpscope: a built-in comm hook holds DDP's slot; buckets are not timed")
+        return None
     if getattr(model, "_comm_hooks", None):
         hook = model._comm_hooks[-1][0]
         log.warning(
@@ -170,10 +196,11 @@ def wrap(model: Any) -> HookState | None:
 
 def _class_register(self: Any, state: object, hook: Any) -> None:
     # Class-level (not per-instance closures, which would make the model
-    # unpicklable): a registration before attach slots the wrapper in now,
-    # with the user's hook inside, so that attach finds it ready.
-    hs = getattr(self, _STATE_ATTR, None)
-    if hs is None and not getattr(self, "_comm_hooks", None):
+    # unpicklable). A Python hook of the user's already pays the floor the
+    # wrapper would add, so it goes inside the wrapper at once: its buckets
+    # are timed for little more.
+    hs = getattr(self, STATE_ATTR, None)
+    if hs is None and not getattr(self, "_comm_hooks", None) and self not in _builtin_taken:
         hs = _register(self)
     if hs is None:
         _original_register(self, state, hook)
@@ -182,9 +209,11 @@ def _class_register(self: Any, state: object, hook: Any) -> None:
 
 
 def _class_register_builtin(self: Any, comm_hook_type: Any) -> None:
-    hs = getattr(self, _STATE_ATTR, None)
+    hs = getattr(self, STATE_ATTR, None)
     if hs is None:
+        # Not wrapped yet: a C++ hook is what the user chose for speed; keep it.
         _original_builtin(self, comm_hook_type)
+        _builtin_taken.add(self)
         return
     name = getattr(comm_hook_type, "name", str(comm_hook_type)).rsplit(".", 1)[-1]
     hook = _BUILTIN.get(name)
@@ -193,16 +222,27 @@ def _class_register_builtin(self: Any, comm_hook_type: Any) -> None:
     _route(self, hs, self.process_group, hook)
 
 
+def _class_match(self: Any) -> Any:
+    # A joined rank (torch.distributed.algorithms.Join) shadows each backward
+    # of the others with one all-reduce per bucket, issued from here.
+    tracker = _trackers.get(self)
+    if tracker is not None:
+        tracker.join_pass()
+    return _original_match(self)
+
+
 def install_class_shim() -> None:
     """Route comm-hook registrations through ddpscope's wrapper (idempotent)."""
     if DistributedDataParallel.register_comm_hook is not _class_register:
         DistributedDataParallel.register_comm_hook = _class_register  # type: ignore[method-assign]
         DistributedDataParallel._register_builtin_comm_hook = _class_register_builtin  # type: ignore[method-assign]
+        DistributedDataParallel._match_all_reduce_for_bwd_pass = _class_match  # type: ignore[method-assign]
 
 
 def uninstall_class_shim() -> None:
     DistributedDataParallel.register_comm_hook = _original_register  # type: ignore[method-assign]
     DistributedDataParallel._register_builtin_comm_hook = _original_builtin  # type: ignore[method-assign]
+    DistributedDataParallel._match_all_reduce_for_bwd_pass = _original_match  # type: ignore[method-assign]
 
 
-__all__ = ["HookState", "install_class_shim", "timed_hook", "uninstall_class_shim", "wrap"]
+__all__ = ["HookState", "install_class_shim", "link", "timed_hook", "uninstall_class_shim", "wrap"]

@@ -126,6 +126,14 @@ class StepTracker:
         self.step = 0
         #: Steps between two that carry per-bucket detail; adapted in _close.
         self.bucket_every = 1
+        #: ddpscope's comm hook is registered on this model (hooks/comm.py):
+        #: buckets can be timed. Off until hooks/bucket_cost.py says it fits.
+        self.hooked = False
+        self._hooked_at = 0
+        #: Called (once) when the step cutting needs the comm hook: outputs
+        #: with no tensor to mark backward's start from.
+        self.request_hook: Callable[[], None] | None = None
+        self._reducer_params: list[Any] | None = None
         #: Set (benchmarks, tests) to hold the interval instead of adapting it.
         self.fixed_every: int | None = None
         #: The current step is timed per bucket.
@@ -169,7 +177,10 @@ class StepTracker:
     def _new_step(self, start: int | None) -> None:
         self._start = start
         every = self.bucket_every if self.fixed_every is None else self.fixed_every
-        self.detail = self.step < _MAP_STEPS or self.step % every == 0
+        self._timed = self.hooked
+        self.detail = self.hooked and (
+            self.step < self._hooked_at + _MAP_STEPS or self.step % every == 0
+        )
         self.cheap = False
         self.detail_ns = 0
         self._iv: list[Interval] = []
@@ -260,6 +271,10 @@ class StepTracker:
         outs = _grad_outputs(output)
         if outs:
             torch.autograd.graph.register_multi_grad_hook(outs, self._backward_begin, mode="any")
+        elif not self.hooked and self.request_hook is not None:
+            # Nothing to hang backward's start on: the first bucket marks it.
+            request, self.request_hook = self.request_hook, None
+            request()
 
     # --- backward (autograd threads) -----------------------------------------
 
@@ -301,8 +316,8 @@ class StepTracker:
             return None
         try:
             if self._fwd == 0 and self._bwd_start is None and not self._open:
-                # No forward in this step: a joined rank shadowing all-reduces.
-                self.state.join_shadow += 1
+                # No forward in this step: a joined rank shadowing all-reduces
+                # (counted once per pass by join_pass).
                 self.state.enter("join")
                 return None
             if self._bwd_start is None:
@@ -326,6 +341,58 @@ class StepTracker:
         except Exception as exc:
             self.fail(exc)
             return None
+
+    def hooked_now(self) -> None:
+        """ddpscope's comm hook was registered: time buckets from the next step."""
+        self.hooked = True
+        if self._start is None and not self._open:  # before the first forward
+            self._hooked_at = self.step
+            self.detail = self._timed = True
+        else:
+            self._hooked_at = self.step + 1
+
+    def join_pass(self) -> None:
+        """A joined rank shadows one backward's all-reduces (DDP's Join hook)."""
+        if self.enabled:
+            self.state.join_shadow += 1
+            self.state.enter("join")
+
+    def _layout_from_reducer(self) -> None:
+        """The bucket layout from DDP's own logging data, without the comm hook.
+
+        After the rebuild in the second iteration DDP reports each bucket's
+        bytes and its parameters' indices into the reducer's parameter list
+        (the trainable, deduplicated parameters in module order). Before it,
+        or where DDP never rebuilds (``find_unused_parameters``), the sizes
+        are the initial assignment's and the parameters unknown.
+        """
+        data = self.model._get_ddp_logging_data()
+        sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+        groups = data.get("rebuilt_per_bucket_param_indices") or ""
+        nbytes = [int(x) for x in str(sizes).split(",") if x.strip()]
+        if not nbytes:
+            return
+        per = [[int(i) for i in g.split()] for g in str(groups).split(",")] if groups else []
+        if self._reducer_params is None:
+            self._reducer_params = list(self.model._build_params_for_reducer()[0])
+        params = self._reducer_params
+        for index, size in enumerate(nbytes):
+            members = per[index] if len(per) == len(nbytes) else []
+            mapped = [
+                self.param_index.get(id(params[i]), -1) if i < len(params) else -1 for i in members
+            ]
+            dtype = str(params[members[0]].dtype) if members and members[0] < len(params) else ""
+            dtype = dtype.replace("torch.", "") or (
+                str(params[0].dtype).replace("torch.", "") if params else "float32"
+            )
+            if self._layout.get(index) != size or self._layout_params.get(index) != mapped:
+                self._layout[index] = size
+                self._layout_params[index] = mapped
+                self._layout_dtype[index] = dtype
+                self._layout_dirty = True
+        for gone in [i for i in self._layout if i >= len(nbytes)]:
+            del self._layout[gone], self._layout_params[gone], self._layout_dtype[gone]
+            self._layout_dirty = True
 
     def _map_bucket(self, bucket: Any, index: int, nbytes: int, dtype: str) -> None:
         params = [self.param_index.get(id(p), -1) for p in bucket.parameters()]
@@ -438,6 +505,12 @@ class StepTracker:
         if self._start is None:
             self._start = end
         epoch, loader_pass = self.sampler_state()
+        if not self.hooked and self.step < _MAP_STEPS:
+            try:
+                self._layout_from_reducer()
+            except Exception as exc:  # private DDP API: a torch without it shows no layout
+                if self.step == 0:
+                    log.debug("ddpscope: no bucket layout from DDP: %r", exc)
         if self._b_index and len(self._b_index) != len(self._layout):
             seen = set(self._b_index)
             for gone in [i for i in self._layout if i not in seen]:
@@ -466,7 +539,7 @@ class StepTracker:
             self._c_lost,
             self._join,
             self.detail,
-            every,
+            every if self._timed else 0,
         )
         self.pub.post(Step.KIND, self.model_index, record, self.finish)
         recent = self._recent

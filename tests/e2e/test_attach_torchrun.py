@@ -86,14 +86,34 @@ def test_bucket_count_and_sizes_match_ddps_own_logging(healthy: Any) -> None:
         layouts = _of(msgs[r], BucketLayout)
         final = layouts[-1]
         assert sorted(final.nbytes) == rebuilt
-        # Bucket timing is sampled: the newest step that carries it.
-        last = [s for s in _of(msgs[r], Step) if s.b_detail][-1]
-        assert sorted(last.b_index) == sorted(final.index)
-        assert all(d > 0 for d in last.b_dur_ns)
-        assert sorted(last.b_nbytes) == rebuilt
         # every parameter sits in exactly one bucket
         named = sorted(i for p in final.params for i in p)
         assert named == list(range(len(_of(msgs[r], RunInfo)[0].params)))
+        # At defaults the comm hook goes in only where it fits the step: a
+        # step either carries timings of every bucket or says it has none.
+        for s in _of(msgs[r], Step):
+            assert (s.b_every == 0) <= (not s.b_detail)
+            if s.b_detail and s.step > 0:
+                assert sorted(s.b_nbytes) == rebuilt
+
+
+def test_every_bucket_is_timed_when_asked_and_matches_ddps_layout(
+    tmp_path: Path, endpoint: str
+) -> None:
+    log = tmp_path / "ddplog"
+    msgs = _run(
+        tmp_path, endpoint, "--epochs", "1", "--ddp-log", str(log), DDPSCOPE_BUCKET_EVERY="1"
+    )
+    for r in (0, 1):
+        ddp = json.loads(Path(f"{log}.rank{r}").read_text())
+        rebuilt = sorted(int(x) for x in str(ddp["rebuilt_bucket_sizes"]).split(","))
+        final = _of(msgs[r], BucketLayout)[-1]
+        steps = _of(msgs[r], Step)
+        assert all(s.b_detail and s.b_every == 1 for s in steps)
+        for s in steps[1:]:  # step 0 ran before DDP rebuilt its buckets
+            assert sorted(s.b_index) == sorted(final.index)
+            assert sorted(s.b_nbytes) == rebuilt
+            assert all(d > 0 for d in s.b_dur_ns)
 
 
 def test_fingerprints_agree_across_ranks_on_a_healthy_run(healthy: Any) -> None:

@@ -42,7 +42,12 @@ def test_export_of_a_real_two_rank_job_matches_its_recording(tmp_path: Path) -> 
     rec = tmp_path / "rec"
     torchrun(
         [str(DEMO), "--samples", "256", "--epochs", "2"],
-        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=f"ipc://{tmp_path}/s.sock"),
+        # Every bucket timed, so the trace has all-reduce spans on every step.
+        env=job_env(
+            DDPSCOPE_RECORD=str(rec),
+            DDPSCOPE_ENDPOINT=f"ipc://{tmp_path}/s.sock",
+            DDPSCOPE_BUCKET_EVERY="1",
+        ),
     )
     trace, table = tmp_path / "run.json", tmp_path / "steps.csv"
     for fmt, out in (("chrome-trace", trace), ("csv", table)):

@@ -327,17 +327,19 @@ _FRAMES = re.compile(r"^frames_ok (\d+)$", re.M)
 
 def _compiled(tmp: Path, endpoint: str, wrap: str, watched: bool) -> tuple[int, int, Path]:
     rec = tmp / f"rec-{wrap}-{watched}"
+    # Buckets timed from the first step: the comm hook is what must not break graphs.
+    timed = {"DDPSCOPE_BUCKET_EVERY": "1"}
     if wrap == "inplace-first" and watched:
         # Compiled in place before the script's own attach(): zero-code would attach first.
         proc = torchrun(
             [COMPILED, "--wrap", wrap, "--attach"],
-            env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
+            env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint, **timed),
             timeout=300,
         )
     else:
         proc = torchrun(
             [COMPILED, "--wrap", wrap],
-            env=job_env(DDPSCOPE_ENDPOINT=endpoint),
+            env=job_env(DDPSCOPE_ENDPOINT=endpoint, **timed),
             prefix=ddpscope_run(rec) if watched else None,
             timeout=300,
         )

@@ -1,4 +1,4 @@
-"""Per-bucket timing is sampled: which steps carry it, and what readers do with the rest.
+"""Per-bucket timing: where its comm hook goes in, which steps carry it, what readers do.
 
 The rank side runs in this process (world size 1, gloo, real DDP models,
 real record files); the reader side is fed synthetic lockstep runs.
@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
@@ -21,9 +23,10 @@ from ddpscope.analysis import views
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.waits import bucket_waits
 from ddpscope.hooks import attach as attach_mod
+from ddpscope.hooks import bucket_cost, comm
 from ddpscope.hooks import steps as steps_mod
 from ddpscope.record import open_run
-from ddpscope.schema import Step, decode, encode
+from ddpscope.schema import BucketLayout, Step, decode, encode
 from tests.support import synth
 
 LAYERS = 6
@@ -64,8 +67,7 @@ def _recorded_steps(directory: Path) -> list[Step]:
 
 def test_steps_between_samples_carry_no_bucket_arrays_but_every_phase(rank: Path) -> None:
     model = _model()
-    handle = ddpscope.attach(model, record=str(rank / "rec"))
-    handle.tracker.fixed_every = 4
+    handle = ddpscope.attach(model, record=str(rank / "rec"), bucket_every=4)
     _train(model, 12)
     handle.close()
     got = _recorded_steps(rank / "rec")
@@ -103,8 +105,7 @@ def test_the_bucket_every_option_fixes_the_spacing(
 
 def test_the_untimed_path_trains_the_same_weights_bit_for_bit(rank: Path) -> None:
     plain, watched = _model(), _model()
-    handle = ddpscope.attach(watched)
-    handle.tracker.fixed_every = 4
+    handle = ddpscope.attach(watched, bucket_every=4)
     _train(plain, 10)
     _train(watched, 10)
     assert handle.step == 10
@@ -112,11 +113,54 @@ def test_the_untimed_path_trains_the_same_weights_bit_for_bit(rank: Path) -> Non
         assert torch.isfinite(a).all() and torch.equal(a, b)
 
 
-def test_bucket_detail_is_spaced_out_when_its_hook_time_is_a_large_share_of_the_step(
+def test_a_model_whose_comm_hook_would_not_fit_the_step_keeps_ddps_own_path(
     rank: Path,
 ) -> None:
     model = _model(layers=40)
     handle = ddpscope.attach(model, record=str(rank / "rec"))
+    _train(model, 20)
+    handle.close()
+    # 40 buckets on steps of a few ms: the hook's floor (~15 us a bucket) is
+    # far above bucket_cost.HOOK_BUDGET of a step, so it was never registered.
+    assert handle.comm is None and not hasattr(model, comm.STATE_ATTR)
+    got = _recorded_steps(rank / "rec")
+    assert [s.step for s in got] == list(range(20))
+    assert not any(s.b_detail for s in got) and {s.b_every for s in got} == {0}
+    # Everything else is measured without it: the wait from autograd's callbacks.
+    for s in got:
+        assert s.backward_ns > 0 and s.forward_ns > 0 and s.optimizer_ns > 0
+        assert s.comm_wait_ns >= 0 and s.b_index == []
+    # The layout comes from DDP's own logging data: one bucket per layer after
+    # the rebuild, every trainable parameter in exactly one of them.
+    layouts = [m for m in open_run(str(rank / "rec")).messages[0] if isinstance(m, BucketLayout)]
+    assert layouts and len(layouts[-1].index) == 40
+    assert sorted(p for ps in layouts[-1].params for p in ps) == list(range(80))
+    assert set(layouts[-1].nbytes) == {1088}
+
+
+def test_long_steps_get_the_comm_hook_and_every_step_timed_after_the_first_measured_ones(
+    rank: Path,
+) -> None:
+    model = _model(layers=2)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    _train(model, 13, pause_s=0.15)
+    # Two buckets' floor against 150 ms steps: far inside the budget.
+    assert handle.comm is not None and handle.tracker.bucket_every == 1
+    handle.close()
+    got = _recorded_steps(rank / "rec")
+    decided = bucket_cost.DECIDE_AT_STEP
+    # Registered at the end of step DECIDE_AT_STEP - 1: timed from the step after.
+    assert [s.step for s in got if s.b_detail] == list(range(decided + 1, 13))
+    assert all(len(s.b_dur_ns) == 2 and min(s.b_dur_ns) >= 0 for s in got if s.b_detail)
+    assert {s.b_every for s in got if s.step <= decided} == {0}
+
+
+def test_bucket_detail_is_spaced_out_when_its_bookkeeping_is_a_large_share_of_the_step(
+    rank: Path,
+) -> None:
+    model = _model(layers=40)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    handle._hook_buckets()  # what a slow enough step would have decided
     _train(model, 60)
     every = handle.tracker.bucket_every
     handle.close()
@@ -128,13 +172,43 @@ def test_bucket_detail_is_spaced_out_when_its_hook_time_is_a_large_share_of_the_
     assert any(not s.b_detail for s in got)
 
 
-def test_long_steps_keep_bucket_detail_on_every_step(rank: Path) -> None:
+def test_never_time_buckets_when_told_to(rank: Path) -> None:
     model = _model(layers=2)
-    handle = ddpscope.attach(model)
-    _train(model, 10, pause_s=0.15)
-    # Two buckets' timing against 150 ms steps: far inside the budget.
-    assert handle.tracker.bucket_every == 1
+    handle = ddpscope.attach(model, record=str(rank / "rec"), bucket_every=-1)
+    _train(model, 10, pause_s=0.1)
     handle.close()
+    assert handle.comm is None
+    assert not any(s.b_detail for s in _recorded_steps(rank / "rec"))
+
+
+def test_a_builtin_hook_registered_after_attach_stays_in_cpp(rank: Path) -> None:
+    model = _model(layers=2)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    _train(model, 10, pause_s=0.1)  # slow enough to fit, but the slot is the user's
+    handle.close()
+    assert handle.comm is None and model._comm_hooks == []
+    got = _recorded_steps(rank / "rec")
+    assert [s.step for s in got] == list(range(10)) and not any(s.b_detail for s in got)
+
+
+def test_a_python_hook_registered_after_attach_is_wrapped_and_timed(rank: Path) -> None:
+    calls: list[int] = []
+
+    # Unannotated: DDP rejects the string annotations this module's __future__ import makes.
+    def counting(state, bucket):  # type: ignore[no-untyped-def]
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)  # type: ignore[arg-type]
+
+    model = _model(layers=2)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    model.register_comm_hook(None, counting)
+    _train(model, 6)
+    handle.close()
+    assert handle.comm is not None and len(calls) >= 6
+    got = _recorded_steps(rank / "rec")
+    # Its Python hook pays the floor already: ddpscope times its buckets from step 0.
+    assert [s.step for s in got if s.b_detail][:3] == [0, 1, 2]
 
 
 def test_bucket_detail_fields_survive_the_wire() -> None:

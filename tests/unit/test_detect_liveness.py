@@ -16,6 +16,7 @@ from ddpscope.analysis.detectors.hang import HANG_COLD_S, HangDetector
 from ddpscope.analysis.detectors.rank_exit import RankExitDetector
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.position import Where
 from ddpscope.analysis.protocol import LIVE, Mode, recorded
 from ddpscope.analysis.wording import error_line, ranks_text
 from ddpscope.schema import End, Message, Stacks
@@ -743,3 +744,11 @@ def test_error_line_finds_the_exception_not_the_trailing_frames() -> None:
     assert error_line(torch_style) == "ValueError: batch 17 has NaN labels"
     assert error_line("...cut\n  File x\nKeyError: 'lr'\n\nAt:\n  y(1): z") == "KeyError: 'lr'"
     assert error_line("") == ""
+
+
+def test_a_rank_waiting_in_an_untimed_all_reduce_is_described_without_a_bucket() -> None:
+    timed = Where(rank=1, phase="allreduce", step=3, bucket=4, in_phase_s=11.0, heard_s=0.5)
+    untimed = Where(rank=1, phase="allreduce", step=3, bucket=-1, in_phase_s=11.0, heard_s=0.5)
+    assert timed.describe() == "waiting in all-reduce (bucket 4) at step 3 for 11.0 s"
+    # DDP's C++ path (no comm hook): the heartbeat's bucket is -1, never shown.
+    assert untimed.describe() == "waiting in the gradient all-reduce at step 3 for 11.0 s"
