@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import marshal
 import os
 import random
 import sys
@@ -45,7 +44,7 @@ from benchmarks.table import print_rows
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import decode, encode
-from ddpscope.transport.decodepool import flatten, rebuild
+from ddpscope.transport.decodepool import answer, rebuild
 from tests.support.synth import MS, FrozenClock, Phases, healthy, lockstep, run_infos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +160,7 @@ def pooled(world: int, steps: int) -> dict[str, Any]:
         for i in range(0, len(chunk), BATCH):
             part = chunk[i : i + BATCH]
             c = time.process_time()
-            blob = marshal.dumps([flatten(decode(raw)) for _, raw in part])
+            blob = answer([raw for _, raw in part])
             worker_cpu += time.process_time() - c
             blobs.append(([t for t, _ in part], blob))
             n += len(part)
