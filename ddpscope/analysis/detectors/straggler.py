@@ -223,6 +223,8 @@ def _ms(ns: float) -> float:
 
 class StragglerDetector:
     kinds: tuple[str, ...] = (KIND,)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (Step,)
 
     def __init__(
         self,
