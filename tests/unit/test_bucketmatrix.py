@@ -1,11 +1,12 @@
-"""The bucket view's matrix: the whole-row fast path, its fallback, and its reuse."""
+"""The bucket view's matrix (analysis/bucketmatrix.py): the whole-row fast path,
+its fallback, and its reuse."""
 
 from __future__ import annotations
 
 import dataclasses
 import random
 
-from ddpscope.analysis import views
+from ddpscope.analysis import bucketmatrix
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.snapshot import BucketMatrix
 from ddpscope.analysis.state import RunState
@@ -20,7 +21,7 @@ def _run(msgs: list) -> RunState:
 
 
 def _matrix(run: RunState) -> BucketMatrix:
-    matrix = views.bucket_matrix(run)
+    matrix = bucketmatrix.bucket_matrix(run)
     assert matrix is not None
     return matrix
 
@@ -30,14 +31,14 @@ def _general(run: RunState) -> BucketMatrix:
     steps = list(_matrix(run).steps)[::-1]
     rows = [run.by_step[s] for s in steps]
     order = list(rows[0][min(rows[0])].b_index)
-    return views._partial_bucket_matrix(steps, rows, order)
+    return bucketmatrix._partial_bucket_matrix(steps, rows, order)
 
 
 def test_the_fast_path_gives_the_general_paths_figures_to_the_bit() -> None:
     timing = synth.straggler(synth.healthy(random.Random(3)), rank=5, factor=1.4)
     run = _run(synth.lockstep(8, 12, timing, buckets=16))
-    fast = views.bucket_matrix(run)
-    assert fast is not None and len(fast.steps) == views.BUCKET_STEPS
+    fast = bucketmatrix.bucket_matrix(run)
+    assert fast is not None and len(fast.steps) == bucketmatrix.BUCKET_STEPS
     assert fast == _general(run)
     # The straggler arrives last at every bucket: its row is the coolest.
     means = {r: sum(w) for r, w in zip(fast.ranks, fast.wait_ms, strict=True)}
@@ -50,13 +51,13 @@ def test_a_rank_missing_from_a_step_counts_only_the_steps_it_sent() -> None:
     rows = [dict(run.by_step[s]) for s in steps]
     del rows[1][7], rows[3][7]
     order = list(rows[0][0].b_index)
-    fast = views._whole_bucket_matrix(steps, rows, order)
-    assert fast == views._partial_bucket_matrix(steps, rows, order)
+    fast = bucketmatrix._whole_bucket_matrix(steps, rows, order)
+    assert fast == bucketmatrix._partial_bucket_matrix(steps, rows, order)
     assert (
         fast.wait_ms[7]
-        != views._whole_bucket_matrix(steps, [dict(run.by_step[s]) for s in steps], order).wait_ms[
-            7
-        ]
+        != bucketmatrix._whole_bucket_matrix(
+            steps, [dict(run.by_step[s]) for s in steps], order
+        ).wait_ms[7]
     )
 
 
@@ -71,9 +72,9 @@ def test_a_rank_that_sent_its_buckets_in_another_order_takes_the_general_path() 
             )  # fmt: skip
         out.append(m)
     run = _run(out)
-    matrix = views.bucket_matrix(run)
+    matrix = bucketmatrix.bucket_matrix(run)
     assert matrix is not None
-    straight = views.bucket_matrix(_run(msgs))
+    straight = bucketmatrix.bucket_matrix(_run(msgs))
     assert straight is not None
     # Realigned to the launch order, rank 2's row is what it would have been.
     assert matrix.wait_ms[2] == straight.wait_ms[2]
@@ -82,11 +83,11 @@ def test_a_rank_that_sent_its_buckets_in_another_order_takes_the_general_path() 
 def test_the_matrix_is_reused_until_a_newer_timed_step_is_complete() -> None:
     msgs = synth.lockstep(4, 10, synth.healthy(random.Random(5)), buckets=4)
     analysis = synth.feed(Analysis([], history=64), [*synth.run_infos(4), *msgs[:-4]])
-    run, extras = analysis.latest, views.RunExtras()
-    first = views.bucket_matrix(run, extras)
-    assert views.bucket_matrix(run, extras) is first
+    run, extras = analysis.latest, bucketmatrix.BucketMemo()
+    first = bucketmatrix.bucket_matrix(run, extras)
+    assert bucketmatrix.bucket_matrix(run, extras) is first
     synth.feed(analysis, msgs[-4:])  # the last step's four ranks: step 9 completes
-    newer = views.bucket_matrix(run, extras)
+    newer = bucketmatrix.bucket_matrix(run, extras)
     assert newer is not first and newer is not None and first is not None
     assert max(newer.steps) == max(first.steps) + 1
-    assert newer == views.bucket_matrix(run)
+    assert newer == bucketmatrix.bucket_matrix(run)
