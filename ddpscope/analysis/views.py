@@ -271,11 +271,18 @@ def build_header(run: RunState, extras: RunExtras, now_wall: int, runs_seen: int
     durations = []
     epoch = -1
     for view in run.ranks.values():
-        recent = list(view.steps)[-ROW_STEPS:]
-        if recent:
-            durations.append(sum(s.t_end - s.t_start for s in recent) / len(recent))
-            epoch = max(epoch, recent[-1].epoch)
-    rate = 1e9 / statistics.median(durations) if durations and statistics.median(durations) else 0
+        steps = view.steps
+        n = min(ROW_STEPS, len(steps))
+        if n:
+            total = 0
+            for i in range(-n, 0):  # the newest steps, read in place (no copy of the history)
+                s = steps[i]
+                total += s.t_end - s.t_start
+            durations.append(total / n)
+            if steps[-1].epoch > epoch:
+                epoch = steps[-1].epoch
+    middle = statistics.median(durations) if durations else 0
+    rate = 1e9 / middle if middle else 0
     step = max((v.step_count for v in run.ranks.values()), default=-1)
     expected = run.expected_ranks()
     ended = bool(expected) and all(
