@@ -20,16 +20,21 @@ It reports, per world size:
   each message costs the workers (decode + flattening);
 - the messages/s one core would then take, against what the job sends.
 
+The stream carries bucket detail on every step by default (the heaviest
+case); ``--bucket-every N`` sends it as ranks sample it (hooks/steps.py:
+the first steps and every N-th, N up to 32 at defaults).
+
     python -m benchmarks.live_scale                       # 1,024 and 4,096 ranks
     python -m benchmarks.live_scale --worlds 1024 --steps 320 --json
+    python -m benchmarks.live_scale --bucket-every 32      # bucket detail as ranks sample it
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
-import marshal
 import os
 import random
 import sys
@@ -44,8 +49,8 @@ import psutil
 from benchmarks.table import print_rows
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
-from ddpscope.schema import decode, encode
-from ddpscope.transport.decodepool import flatten, rebuild
+from ddpscope.schema import Step, decode, encode
+from ddpscope.transport.decodepool import answer, rebuild
 from tests.support.synth import MS, FrozenClock, Phases, healthy, lockstep, run_infos
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,14 +59,32 @@ BUCKETS = 32
 RATE = 10
 BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)
 CHUNK = 10  # steps generated and encoded at a time
+#: Steps that always carry bucket detail (hooks/steps.py's _MAP_STEPS).
+MAP_STEPS = 3
 TICK_NS = 250 * MS
 SNAPSHOT_NS = 500 * MS
 #: Messages per batch a decode worker answers (the ingest thread's BATCH).
 BATCH = 2048
 
 
-def wire(world: int, steps: int, seed: int = 0) -> Iterator[list[tuple[int, bytes]]]:
-    """The stream in chunks of CHUNK steps: (time, encoded message), in time order."""
+def sampled(msg: Any, every: int) -> Any:
+    """A step as a rank timing its buckets every ``every`` steps sends it
+    (hooks/steps.py: the first MAP_STEPS steps and every ``every``-th one carry
+    the bucket arrays; the others none)."""
+    if type(msg) is not Step or every <= 1:
+        return msg
+    if msg.step < MAP_STEPS or msg.step % every == 0:
+        return dataclasses.replace(msg, b_every=every)
+    return dataclasses.replace(
+        msg, b_detail=False, b_every=every, b_index=[], b_nbytes=[], b_offset_ns=[], b_dur_ns=[]
+    )
+
+
+def wire(
+    world: int, steps: int, seed: int = 0, every: int = 1
+) -> Iterator[list[tuple[int, bytes]]]:
+    """The stream in chunks of CHUNK steps: (time, encoded message), in time order;
+    ``every``: bucket detail every that many steps (1: every step, the heaviest)."""
     rng = random.Random(seed)
     seq: dict[int, int] = {}
     start = 1_000 * MS
@@ -82,6 +105,7 @@ def wire(world: int, steps: int, seed: int = 0) -> Iterator[list[tuple[int, byte
             first = False
         out = []
         for m in msgs:
+            m = sampled(m, every)
             n = seq.get(m.rank, 0)
             seq[m.rank] = n + 1
             object.__setattr__(m, "seq", n)  # built here, never shared
@@ -114,7 +138,7 @@ class Driver:
             gc.freeze()  # as the live feed does after each snapshot (freeze_gc)
 
 
-def direct(world: int, steps: int, trace: bool) -> dict[str, Any]:
+def direct(world: int, steps: int, trace: bool, every: int) -> dict[str, Any]:
     proc = psutil.Process()
     gc.collect()
     gc.freeze()  # as the watcher does after each snapshot: no full collections
@@ -124,7 +148,7 @@ def direct(world: int, steps: int, trace: bool) -> dict[str, Any]:
     d = Driver()
     n = 0
     cpu = 0.0
-    for chunk in wire(world, steps):
+    for chunk in wire(world, steps, every=every):
         c = time.process_time()
         for t, raw in chunk:
             d.take(decode(raw), t)
@@ -151,17 +175,17 @@ def direct(world: int, steps: int, trace: bool) -> dict[str, Any]:
     }
 
 
-def pooled(world: int, steps: int) -> dict[str, Any]:
+def pooled(world: int, steps: int, every: int) -> dict[str, Any]:
     """The pool's two sides, timed apart: the workers' (decode, flatten a batch) and
     the ingest thread's (rebuild + analysis), with the pool's own functions."""
     blobs: list[tuple[list[int], bytes]] = []
     worker_cpu = 0.0
     n = 0
-    for chunk in wire(world, steps):
+    for chunk in wire(world, steps, every=every):
         for i in range(0, len(chunk), BATCH):
             part = chunk[i : i + BATCH]
             c = time.process_time()
-            blob = marshal.dumps([flatten(decode(raw)) for _, raw in part])
+            blob = answer([raw for _, raw in part])
             worker_cpu += time.process_time() - c
             blobs.append(([t for t, _ in part], blob))
             n += len(part)
@@ -183,10 +207,10 @@ def pooled(world: int, steps: int) -> dict[str, Any]:
     }
 
 
-def measure(world: int, steps: int, pool_steps: int, trace: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"ranks": world, "steps": steps}
-    row.update(direct(world, steps, trace))
-    row.update(pooled(world, pool_steps))
+def measure(world: int, steps: int, pool_steps: int, trace: bool, every: int) -> dict[str, Any]:
+    row: dict[str, Any] = {"ranks": world, "steps": steps, "bucket_every": every}
+    row.update(direct(world, steps, trace, every))
+    row.update(pooled(world, pool_steps, every))
     sends = world * (RATE + 1)  # a step and a tenth of a heartbeat per rank, per step time
     row["job_sends_per_s"] = sends
     row["one_core_direct_per_s"] = round(1e6 / row["direct_us_per_msg"])
@@ -200,6 +224,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="stream steps (windows fill by 40)")
     p.add_argument("--pool-steps", type=int, default=30, help="steps for the pooled timing")
     p.add_argument("--trace", action="store_true", help="also count held bytes (tracemalloc)")
+    p.add_argument(
+        "--bucket-every",
+        type=int,
+        default=1,
+        help="bucket detail every N steps, as ranks sample it (1: every step, the heaviest; "
+        "ranks at defaults space it up to 32)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     if hasattr(os, "sched_setaffinity"):  # one core, as the ingest thread has
@@ -214,10 +245,11 @@ def main() -> None:
             cmd += ["--steps", str(args.steps)]
             cmd += ["--pool-steps", str(args.pool_steps), "--json"]
             cmd += ["--trace"] if args.trace else []
+            cmd += ["--bucket-every", str(args.bucket_every)]
             done = subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
             rows += json.loads(done.stdout)
         else:
-            rows.append(measure(w, args.steps, args.pool_steps, args.trace))
+            rows.append(measure(w, args.steps, args.pool_steps, args.trace, args.bucket_every))
     if args.json:
         print(json.dumps(rows, indent=2))
         return

@@ -29,6 +29,7 @@ the measured window (after a 5 s warm-up).
     python -m benchmarks.relay_load --ranks 256 --relays 2 --seconds 20
     python -m benchmarks.relay_load --json
     python -m benchmarks.relay_load --ranks 4096 --relays 32 --procs 8 --decoders 3
+    python -m benchmarks.relay_load --bucket-every 32     # bucket detail as ranks sample it
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RUN = "relay-load"
 WARMUP_S = 5.0
 MS = 1_000_000
+#: Steps that always carry bucket detail (hooks/steps.py's _MAP_STEPS).
+MAP_STEPS = 3
 
 
 # --- ranks ---------------------------------------------------------------------
@@ -164,6 +167,11 @@ def role_ranks(args: argparse.Namespace) -> None:
         "b_offset_ns": offsets,
         "b_dur_ns": durs,
     }
+    every = max(1, args.bucket_every)
+    timing["b_every"] = every
+    # Between two timed steps a rank sends no bucket arrays (hooks/steps.py).
+    untimed = {**timing, "b_detail": False, "b_index": [], "b_nbytes": []}
+    untimed.update(b_offset_ns=[], b_dur_ns=[])
     beat = {"phase": "forward", "bucket": -1, "in_phase_s": 0.01, "cpu_pct": 99.0}
     beat.update(rss_bytes=2 << 30, threads=8)
     for r in ranks:
@@ -182,8 +190,9 @@ def role_ranks(args: argparse.Namespace) -> None:
             late = max(late, now - due)
         t_end = time.monotonic_ns()
         t_start = t_end - int(period * 1e9)
+        fields = timing if step < MAP_STEPS or step % every == 0 else untimed
         for r in ranks:
-            send(r, Step(**r.env(), step=step, t_start=t_start, t_end=t_end, **timing))
+            send(r, Step(**r.env(), step=step, t_start=t_start, t_end=t_end, **fields))
         step += 1
         now = time.monotonic()
         if now >= next_beat:
@@ -321,6 +330,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     per_proc = args.ranks // args.procs
     common = ["--relay-endpoints", relay_eps, "--world", str(args.ranks), "--rate", str(args.rate)]
     common += ["--buckets", str(args.buckets), "--seconds", str(args.seconds)]
+    common += ["--bucket-every", str(args.bucket_every)]
     common += ["--start-at", str(start_at), "--count", str(per_proc)]
     ranks = [_spawn("ranks", *common, "--first", str(i * per_proc)) for i in range(args.procs)]
     for p in ranks:
@@ -381,6 +391,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "rank_procs": args.procs,
         "rate": args.rate,
         "buckets": args.buckets,
+        "bucket_every": args.bucket_every,
         "seconds": args.seconds,
         "ranks_late_start_s": round(late_start, 2),
         "sent_msgs": total_sent,
@@ -421,6 +432,12 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="processes simulating the ranks")
     p.add_argument("--rate", type=float, default=10.0, help="steps per second per rank")
     p.add_argument("--buckets", type=int, default=32)
+    p.add_argument(
+        "--bucket-every",
+        type=int,
+        default=1,
+        help="bucket detail every N steps, as ranks sample it (1: every step, the heaviest)",
+    )
     p.add_argument(
         "--decoders", type=int, default=0, help="the watcher's decode workers (watch --decoders)"
     )

@@ -238,7 +238,7 @@ class Monitor:
             findings_version = book.version
         rows = build_rows(run, findings, extras, now_mono, request.series)
         header = build_header(run, extras, now_wall, len(self.analysis.runs))
-        buckets = bucket_matrix(run) if request.buckets else None
+        buckets = bucket_matrix(run, extras.bucket_memo) if request.buckets else None
         detail = None
         if request.detail_rank is not None and request.detail_rank in run.ranks:
             detail = build_detail(run, request.detail_rank, extras, now_mono)

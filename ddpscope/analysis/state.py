@@ -170,23 +170,31 @@ class RunState:
 
     def ingest(self, msg: Message, rx_ns: int) -> bool:
         """Take one message. False when it was a duplicate or had absurd values."""
-        if msg.rank >= MAX_WORLD or (self.world_size and msg.rank >= self.world_size):
+        rank = msg.rank
+        if rank >= MAX_WORLD or (self.world_size and rank >= self.world_size):
             return self._reject("rank outside the world")
-        absurd = _ABSURD.get(type(msg))
+        kind = type(msg)
+        absurd = _ABSURD.get(kind)
         if absurd is not None:
             why = absurd(msg)
             if why:
                 return self._reject(why)
-        view = self.rank(msg.rank)
-        if not self._count_seq(view, msg):
-            return False
+        view = self.ranks.get(rank)
+        if view is None:
+            view = self.ranks[rank] = RankView(rank)
+        # (Spelled out, as below: this runs for every message, on the ingest thread.)
+        if kind is RunInfo or msg.seq >= 0:
+            self._count_seq(view, msg)
         self.received += 1
         if not self.first_rx_ns:
             self.first_rx_ns = rx_ns
-        self.last_rx_ns = max(self.last_rx_ns, rx_ns)
-        self.now_ns = max(self.now_ns, rx_ns)
-        view.last_rx_ns = max(view.last_rx_ns, rx_ns)
-        handler = _HANDLERS.get(type(msg))
+        if rx_ns > self.last_rx_ns:
+            self.last_rx_ns = rx_ns
+        if rx_ns > self.now_ns:
+            self.now_ns = rx_ns
+        if rx_ns > view.last_rx_ns:
+            view.last_rx_ns = rx_ns
+        handler = _HANDLERS.get(kind)
         if handler is not None:
             return handler(self, view, msg, rx_ns)
         return True
@@ -226,8 +234,10 @@ class RunState:
                     del self.by_step[step]
 
     def _on_step(self, view: RankView, msg: Step, rx_ns: int) -> bool:
-        row = self.by_step.setdefault(msg.step, {})
-        if msg.rank in row:
+        row = self.by_step.get(msg.step)
+        if row is None:
+            row = self.by_step[msg.step] = {}
+        elif msg.rank in row:
             view.duplicates += 1
             view.seq_count -= 1  # a duplicate is not a delivered message
             return False
@@ -241,8 +251,10 @@ class RunState:
             items = sorted([*steps, msg], key=lambda s: s.step)
             steps.clear()
             steps.extend(items)
-        view.last_step_rx_ns = max(view.last_step_rx_ns, rx_ns)
-        self.newest_step = max(self.newest_step, msg.step)
+        if rx_ns > view.last_step_rx_ns:
+            view.last_step_rx_ns = rx_ns
+        if msg.step > self.newest_step:
+            self.newest_step = msg.step
         if self.history is not None:
             while len(steps) > self.history:
                 steps.popleft()

@@ -12,9 +12,12 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import add, sub
 from typing import Any
 
+# The bucket view is built in analysis/bucketmatrix.py; its names stay reachable here.
+from ddpscope.analysis.bucketmatrix import BUCKET_STEPS as BUCKET_STEPS
+from ddpscope.analysis.bucketmatrix import BucketMemo
+from ddpscope.analysis.bucketmatrix import bucket_matrix as bucket_matrix
 from ddpscope.analysis.evidence import layout
 from ddpscope.analysis.findings import Finding
 from ddpscope.analysis.snapshot import (
@@ -22,7 +25,6 @@ from ddpscope.analysis.snapshot import (
     INFO,
     OK,
     WARNING,
-    BucketMatrix,
     CollectiveRow,
     FindingView,
     PassRow,
@@ -38,9 +40,8 @@ from ddpscope.schema import WAITING_PHASES, Heartbeat, Stacks, Step
 
 #: Step times kept per rank for the sparklines (about 12 s at 10 steps/s).
 SERIES_LEN = 120
-#: Steps averaged for a rank's row, and complete steps averaged for the bucket view.
+#: Steps averaged for a rank's row.
 ROW_STEPS = 5
-BUCKET_STEPS = 5
 #: Steps shown in a rank's phase history.
 DETAIL_STEPS = 24
 #: A rank that sent nothing for this long is silent (heartbeats come every second).
@@ -59,6 +60,8 @@ class RunExtras:
     stacks_asked_ns: dict[int, int] = field(default_factory=dict)
     stacks_rx_ns: dict[int, int] = field(default_factory=dict)
     end_wall_ns: int = 0
+    #: The last bucket matrix built, reused while its steps stay the same.
+    bucket_memo: BucketMemo = field(default_factory=BucketMemo)
 
 
 def busy_ms(s: Step) -> float:
@@ -156,8 +159,30 @@ def rank_status(
     return ("exited", OK) if view.end is not None else ("ok", OK)
 
 
-def _mean(values: Sequence[int]) -> float:
-    return sum(values) / len(values) / 1e6 if values else -1.0
+#: A row's means when the rank has sent no step yet.
+_NO_MEANS = (-1.0,) * 9
+
+
+def _row_means(steps: deque[Step]) -> tuple[float, ...]:
+    """Means over the newest ROW_STEPS steps, in ms: step, data, forward, backward,
+    optimizer, wait, sync, coll, other (-1: no step yet). One pass, not nine: this
+    runs for every rank of every snapshot (4,096 rows twice a second)."""
+    n = min(ROW_STEPS, len(steps))
+    if not n:
+        return _NO_MEANS
+    dur = data = fwd = bwd = opt = wait = sync = coll = other = 0
+    for i in range(-n, 0):
+        s = steps[i]
+        dur += s.t_end - s.t_start
+        data += s.data_ns
+        fwd += s.forward_ns
+        bwd += s.backward_ns
+        opt += s.optimizer_ns
+        wait += s.comm_wait_ns
+        sync += s.sync_wait_ns
+        coll += s.coll_wait_ns
+        other += s.other_ns
+    return tuple(v / n / 1e6 for v in (dur, data, fwd, bwd, opt, wait, sync, coll, other))
 
 
 #: How the collective classes read after an op's name.
@@ -207,22 +232,22 @@ def build_rows(
                 RankRow(r, "?", 0, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, "", status, level)
             )
             continue
-        recent = list(view.steps)[-ROW_STEPS:] if view.steps else []
+        means = _row_means(view.steps)
         hb = view.heartbeat
         hb_rx = extras.hb_rx_ns.get(r)
-        last = recent[-1] if recent else None
+        last = view.steps[-1] if view.steps else None
         rows.append(
             RankRow(
                 rank=r,
                 host=view.info.host if view.info is not None else "?",
                 step=view.step_count,
                 epoch=last.epoch if last is not None else -1,
-                step_ms=_mean([s.t_end - s.t_start for s in recent]),
-                data_ms=_mean([s.data_ns for s in recent]),
-                forward_ms=_mean([s.forward_ns for s in recent]),
-                backward_ms=_mean([s.backward_ns for s in recent]),
-                optimizer_ms=_mean([s.optimizer_ns for s in recent]),
-                wait_ms=_mean([s.comm_wait_ns for s in recent]),
+                step_ms=means[0],
+                data_ms=means[1],
+                forward_ms=means[2],
+                backward_ms=means[3],
+                optimizer_ms=means[4],
+                wait_ms=means[5],
                 cpu_pct=hb.cpu_pct if hb is not None else -1.0,
                 rss_bytes=hb.rss_bytes if hb is not None else -1,
                 hb_age_s=(now_mono - hb_rx) / 1e9 if hb_rx is not None else -1.0,
@@ -231,9 +256,9 @@ def build_rows(
                 level=level,
                 recent_step_ms=tuple(extras.step.get(r, ())) if series else (),
                 recent_busy_ms=tuple(extras.busy.get(r, ())) if series else (),
-                sync_ms=_mean([s.sync_wait_ns for s in recent]),
-                coll_ms=_mean([s.coll_wait_ns for s in recent]),
-                other_ms=_mean([s.other_ns for s in recent]),
+                sync_ms=means[6],
+                coll_ms=means[7],
+                other_ms=means[8],
                 activity=activity(hb),
             )
         )
@@ -246,11 +271,18 @@ def build_header(run: RunState, extras: RunExtras, now_wall: int, runs_seen: int
     durations = []
     epoch = -1
     for view in run.ranks.values():
-        recent = list(view.steps)[-ROW_STEPS:]
-        if recent:
-            durations.append(sum(s.t_end - s.t_start for s in recent) / len(recent))
-            epoch = max(epoch, recent[-1].epoch)
-    rate = 1e9 / statistics.median(durations) if durations and statistics.median(durations) else 0
+        steps = view.steps
+        n = min(ROW_STEPS, len(steps))
+        if n:
+            total = 0
+            for i in range(-n, 0):  # the newest steps, read in place (no copy of the history)
+                s = steps[i]
+                total += s.t_end - s.t_start
+            durations.append(total / n)
+            if steps[-1].epoch > epoch:
+                epoch = steps[-1].epoch
+    middle = statistics.median(durations) if durations else 0
+    rate = 1e9 / middle if middle else 0
     step = max((v.step_count for v in run.ranks.values()), default=-1)
     expected = run.expected_ranks()
     ended = bool(expected) and all(
@@ -275,81 +307,6 @@ def build_header(run: RunState, extras: RunExtras, now_wall: int, runs_seen: int
         elapsed_s=elapsed,
         runs_seen=runs_seen,
         ended=ended,
-    )
-
-
-def _recent_complete_steps(run: RunState, wanted: int) -> list[int]:
-    """Newest steps that every rank reporting steps has reported (or the best there is)."""
-    reporting = sum(1 for v in run.ranks.values() if v.steps)
-    if not reporting:
-        return []
-    newest = sorted(run.by_step, reverse=True)[:64]
-    complete = [s for s in newest if len(run.by_step[s]) >= reporting][:wanted]
-    if complete:
-        return complete
-    best = max(newest, key=lambda s: len(run.by_step[s]), default=None)
-    return [best] if best is not None else []
-
-
-def bucket_matrix(run: RunState) -> BucketMatrix | None:
-    # Bucket timing is sampled: only steps every rank timed per bucket count.
-    recent = _recent_complete_steps(run, 64)
-    steps = [s for s in recent if all(st.b_detail for st in run.by_step[s].values())]
-    steps = steps[:BUCKET_STEPS]
-    if not steps:
-        return None
-    ranks = sorted({r for s in steps for r in run.by_step[s]})
-    # Launch order as the first rank saw it; every rank on the same layout agrees.
-    first = run.by_step[steps[0]]
-    order = list(first[min(first)].b_index)
-    if not order:
-        return None
-    slot = {b: k for k, b in enumerate(order)}
-    n = len(order)
-    sums = {r: [0.0] * n for r in ranks}
-    counts = {r: [0] * n for r in ranks}
-    transfer: list[float] = [0.0] * n
-    for s in steps:
-        # durations[r][k], aligned to ``order``; None where a rank did not report bucket k.
-        durations: dict[int, list[int | None]] = {}
-        for r, st in run.by_step[s].items():
-            if st.b_index == order:  # the usual case: lists compare at C speed
-                durations[r] = list(st.b_dur_ns)
-            else:
-                row: list[int | None] = [None] * n
-                for b, dur in zip(st.b_index, st.b_dur_ns, strict=False):
-                    if b in slot:
-                        row[slot[b]] = dur
-                durations[r] = row
-        rows = list(durations.values())
-        if any(None in row for row in rows):
-            fastest = [
-                min((d for d in column if d is not None), default=0)
-                for column in zip(*rows, strict=True)
-            ]
-        else:
-            fastest = list(map(min, zip(*rows, strict=True)))
-        transfer = list(map(add, transfer, fastest))
-        for r, row in durations.items():
-            if None not in row:  # whole rows in C: this loop runs ranks x steps times
-                sums[r] = list(map(add, sums[r], map(sub, row, fastest)))
-                counts[r] = [c + 1 for c in counts[r]]
-                continue
-            acc, cnt = sums[r], counts[r]
-            for k, (d, f) in enumerate(zip(row, fastest, strict=True)):
-                if d is not None:
-                    acc[k] += d - f
-                    cnt[k] += 1
-    wait = tuple(
-        tuple(a / c / 1e6 if c else -1.0 for a, c in zip(sums[r], counts[r], strict=True))
-        for r in ranks
-    )
-    return BucketMatrix(
-        steps=tuple(sorted(steps)),
-        buckets=tuple(order),
-        ranks=tuple(ranks),
-        wait_ms=wait,
-        transfer_ms=tuple(t / len(steps) / 1e6 for t in transfer),
     )
 
 

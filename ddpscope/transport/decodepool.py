@@ -11,6 +11,13 @@ marshal reads at C speed), rebuilt here through the slots' own descriptors:
 a few microseconds a message instead of the decode (pickle's generic path for
 frozen dataclasses measured 10-17 us).
 
+A step's timing lists travel as the bytes of an ``array('q')`` and come back
+as that array (what the run model keeps anyway), so no int object is made
+for them here; the lists that repeat across a batch (bucket order and sizes,
+collective names) are sent once per batch and shared by its messages, which
+marshal keeps as one object. Messages are frozen and nothing appends to
+their lists, so sharing is safe.
+
 Order is kept: batch n goes to worker n % workers, each worker answers its
 batches in order, and results are taken in batch order, so every rank's
 messages reach the analysis in the order the socket delivered them, exactly
@@ -26,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import marshal
 import multiprocessing
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -61,17 +69,38 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: Per kind, the indices of its int-list fields sent as array('q') bytes.
+_PACKED: dict[str, tuple[int, ...]] = {
+    "step": tuple(
+        _FIELDS["step"].index(n) for n in ("b_offset_ns", "b_dur_ns", "c_offset_ns", "c_dur_ns")
+    ),
+}
+#: Per kind, the indices of its list fields that repeat from message to message.
+_SHARED: dict[str, tuple[int, ...]] = {
+    "step": tuple(
+        _FIELDS["step"].index(n)
+        for n in ("b_index", "b_nbytes", "c_op", "c_class", "c_group", "c_nbytes", "c_site")
+    ),
+}
+
+
 def _builder(kind: type[Message]) -> Callable[[Any], Message]:
     """Build a ``kind`` from its values: the slots' descriptors set each one, as
     the frozen dataclass's own __init__ would but without its per-field checks
     (the worker's decoder made them)."""
     setters = [getattr(kind, name).__set__ for name in _FIELDS[kind.KIND]]
+    packed = [(i, setters[i]) for i in _PACKED.get(kind.KIND, ())]
     new = object.__new__
 
     def build(values: Any) -> Message:
         msg = new(kind)
         for put, value in zip(setters, values, strict=True):
             put(msg, value)
+        for i, put in packed:
+            if type(values[i]) is bytes:
+                ints = array("q")
+                ints.frombytes(values[i])
+                put(msg, ints)
         return msg
 
     return build
@@ -80,9 +109,35 @@ def _builder(kind: type[Message]) -> Callable[[Any], Message]:
 _BUILD: dict[str, Callable[[Any], Message]] = {k.KIND: _builder(k) for k in _kinds()}
 
 
-def flatten(msg: Message) -> tuple[str, tuple[Any, ...]]:
-    """A decoded message as plain data for marshal: its kind and its fields' values."""
-    return msg.KIND, tuple(getattr(msg, name) for name in _FIELDS[msg.KIND])
+def flatten(msg: Message, shared: dict[Any, Any] | None = None) -> tuple[str, tuple[Any, ...]]:
+    """A decoded message as plain data for marshal: its kind and its fields' values,
+    int timings packed; ``shared``: the batch's repeating lists, by value."""
+    kind = msg.KIND
+    values = [getattr(msg, name) for name in _FIELDS[kind]]
+    for i in _PACKED.get(kind, ()):
+        if values[i]:
+            try:
+                values[i] = array("q", values[i]).tobytes()
+            except OverflowError:  # beyond 64 bits (the decoder allows it): as it is
+                pass
+    if shared is not None:
+        for i in _SHARED.get(kind, ()):
+            v = values[i]
+            values[i] = shared.setdefault((i, tuple(v)), v)
+    return kind, tuple(values)
+
+
+def answer(raws: list[bytes]) -> bytes:
+    """A worker's answer to one batch: each message decoded and flattened, or
+    (REFUSED, (reason, text)) in its place."""
+    out: list[Any] = []
+    shared: dict[Any, Any] = {}
+    for raw in raws:
+        try:
+            out.append(flatten(decode(raw), shared))
+        except SchemaError as exc:
+            out.append((REFUSED, (exc.reason, str(exc))))
+    return marshal.dumps(out)
 
 
 def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker process
@@ -94,13 +149,7 @@ def _serve(conn: Connection) -> None:  # pragma: no cover - runs in the worker p
             return
         if not blob:
             return
-        out: list[Any] = []
-        for raw in marshal.loads(blob):
-            try:
-                out.append(flatten(decode(raw)))
-            except SchemaError as exc:
-                out.append((REFUSED, (exc.reason, str(exc))))
-        conn.send_bytes(marshal.dumps(out))
+        conn.send_bytes(answer(marshal.loads(blob)))
 
 
 def rebuild(blob: bytes, out: list[Message | tuple[str, str]]) -> None:

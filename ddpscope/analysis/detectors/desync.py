@@ -144,6 +144,8 @@ def _broadcast_buffers(run: RunState) -> bool:
 
 class DesyncDetector:
     kinds: tuple[str, ...] = (KIND,)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (End, Fingerprint)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

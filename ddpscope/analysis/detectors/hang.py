@@ -103,6 +103,8 @@ class HangDetector:
     """``hang``: the whole run stopped, some ranks waiting for the one(s) behind."""
 
     kinds: tuple[str, ...] = ("hang",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (Step, Heartbeat)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

@@ -116,6 +116,8 @@ class _Memo:
 
 class HyperparamDetector:
     kinds: tuple[str, ...] = (KIND,)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (HParams,)
 
     def __init__(self, mode: Mode = LIVE, margin: int = 2) -> None:
         self.mode = mode

@@ -79,6 +79,8 @@ class RankExitDetector:
     """``rank_exit``: a rank's process ended or went silent while the others went on."""
 
     kinds: tuple[str, ...] = ("rank_exit",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (Heartbeat,)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

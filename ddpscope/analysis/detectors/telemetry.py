@@ -51,6 +51,8 @@ class _TeleRun:
 
 class TelemetryDetector:
     kinds: tuple[str, ...] = ("telemetry",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = ()
 
     def __init__(self, mode: Mode = LIVE, silent_grace_s: float = SILENT_GRACE_S) -> None:
         self.mode = mode

@@ -33,6 +33,8 @@ class BatchNormDetector:
     """``batchnorm_small_batch``: BatchNorm normalising over a few samples per rank (info)."""
 
     kinds: tuple[str, ...] = ("batchnorm_small_batch",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (BatchInfo,)
 
     def __init__(self, mode: Mode = LIVE, small_batch: int = SMALL_BATCH) -> None:
         self.mode = mode

@@ -40,6 +40,8 @@ class CheckpointDetector:
     """``checkpoint_all_ranks``: one checkpoint file written by several ranks, or DDP's keys."""
 
     kinds: tuple[str, ...] = ("checkpoint_all_ranks",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (SaveCall,)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

@@ -127,6 +127,8 @@ class CollectiveMismatchDetector:
     """``rank0_only_collective``: a collective some ranks issue and others never match."""
 
     kinds: tuple[str, ...] = ("rank0_only_collective",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (Collectives, Heartbeat)
 
     def __init__(self, mode: Mode = LIVE, blocked_min_s: float = BLOCKED_MIN_S) -> None:
         self.mode = mode

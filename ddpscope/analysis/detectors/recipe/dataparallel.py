@@ -29,6 +29,8 @@ class DataParallelDetector:
     """``dataparallel``: nn.DataParallel in a DDP job."""
 
     kinds: tuple[str, ...] = ("dataparallel",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (DataParallelSeen,)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

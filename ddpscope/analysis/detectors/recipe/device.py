@@ -49,6 +49,8 @@ class DeviceDetector:
     """
 
     kinds: tuple[str, ...] = ("device_mismatch",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (RunInfo,)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

@@ -95,6 +95,8 @@ class GlobalBatchDetector:
     """``global_batch``: world size changed between runs of a script, learning rate did not."""
 
     kinds: tuple[str, ...] = ("global_batch",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (HParams, BatchInfo)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

@@ -30,6 +30,8 @@ class ProcessGroupDetector:
     """``no_destroy_process_group``: a rank exited with its process group alive (info)."""
 
     kinds: tuple[str, ...] = ("no_destroy_process_group",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (End,)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode

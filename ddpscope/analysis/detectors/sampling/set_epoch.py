@@ -74,6 +74,8 @@ class _EpochRun:
 
 class SetEpochDetector(LedgerDetector[_EpochRun]):
     kinds: tuple[str, ...] = ("missing_set_epoch",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = PASS_MESSAGES
 
     new_run = _EpochRun
 

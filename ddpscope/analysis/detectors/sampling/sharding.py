@@ -175,6 +175,8 @@ class _ShardRun:
 
 class ShardingDetector(LedgerDetector[_ShardRun]):
     kinds: tuple[str, ...] = ("unsharded_data", "shard_overlap")
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = PASS_MESSAGES
 
     new_run = _ShardRun
 

@@ -101,6 +101,8 @@ class _UnevenRun:
 
 class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
     kinds: tuple[str, ...] = ("uneven_inputs",)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (Heartbeat, *PASS_MESSAGES)
 
     new_run = _UnevenRun
 
