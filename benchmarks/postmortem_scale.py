@@ -18,10 +18,11 @@ from the start of the work to its result, with that process's peak RSS
 - read only: every record scanned and CRC-checked; decoded too (no analysis):
   where the report's time goes
 
-MB/s is the recording's size over the reader's time.
+MB/s is the recording's size over the reader's time; with --runs N, each
+figure is the median of N fresh processes, with the range of the times.
 
     python -m benchmarks.postmortem_scale --world 1024 --steps 500      # JSON on stdout
-    python -m benchmarks.postmortem_scale --dir /tmp/pm1024 --only report
+    python -m benchmarks.postmortem_scale --dir /tmp/pm1024 --only report --runs 3
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -119,6 +121,9 @@ def one(what: str, directory: str) -> dict[str, float]:
 
 def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
     child = ["--dir", str(directory), "--child", what]
+    if what == "replay_first":
+        for old in directory.rglob(".ddpscope-index"):
+            old.unlink()  # a first open has none (and writes it)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.postmortem_scale", *child],
         capture_output=True,
@@ -135,6 +140,21 @@ def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
     return res
 
 
+def repeated(what: str, directory: Path, size_mb: float, runs: int) -> dict[str, object]:
+    """``runs`` fresh processes: the median of each figure, and the seconds' range."""
+    results = [measure(what, directory, size_mb) for _ in range(runs)]
+    if runs == 1:
+        return dict(results[0])
+    out: dict[str, object] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    out["runs"] = runs
+    out["seconds_range"] = [min(r["seconds"] for r in results), max(r["seconds"] for r in results)]
+    out["mb_per_s_range"] = [
+        min(r["mb_per_s"] for r in results),
+        max(r["mb_per_s"] for r in results),
+    ]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dir", help="where the recording is (written there if missing)")
@@ -142,6 +162,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--buckets", type=int, default=8)
     ap.add_argument("--only", action="append", choices=WHAT, help="these readers (repeatable)")
+    ap.add_argument("--runs", type=int, default=1, help="fresh processes per reader (median)")
     ap.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -160,12 +181,10 @@ def main() -> None:
         write_recording(directory, args.world, args.steps, args.buckets)
         stamp.write_text(want)
         out["write_s"] = round(time.perf_counter() - began, 1)
-    for old in directory.rglob(".ddpscope-index"):
-        old.unlink()  # replay_first opens without one (and writes it)
     size_mb = sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20
     out["recording_mb"] = round(size_mb)
     for what in args.only or WHAT:
-        out[what] = measure(what, directory, size_mb)
+        out[what] = repeated(what, directory, size_mb, args.runs)
         print(what, json.dumps(out[what]), file=sys.stderr, flush=True)
     out["dir"] = str(directory)
     out["cpu_count"] = os.cpu_count()

@@ -6,7 +6,9 @@ The figures are medians twice over: per rank over its steps after warm-up,
 then over ranks. Means would let one checkpoint step, one page-fault storm or
 one odd rank move the result; the per-rank spread is what shows an odd rank.
 
-Everything but :func:`load` is a pure function of the two analyses. The JSON
+:func:`load` streams each side's recording once, gathering the figures as it
+passes (:mod:`ddpscope.analysis.comparestats`), and keeps only that side's JSON
+object; everything after it is a pure function of the two. The JSON
 object (:func:`build`) is the source of truth and the text
 (:mod:`ddpscope.analysis.compare_text`) is drawn from it. docs/compare.md documents both; bump
 ``VERSION`` on any change a consumer could trip over.
@@ -21,18 +23,20 @@ import json
 import math
 import os
 import statistics
-from collections import Counter
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.analysis import report
+from ddpscope.analysis import report, streamstats
+from ddpscope.analysis.comparestats import RANK_FIELDS, CompareTally
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import SEVERITIES, severity_at_least
 from ddpscope.analysis.state import NS, RunState
+from ddpscope.analysis.streamstats import RecordingSummary
 from ddpscope.record.reader import RecordError, RunDir, find_runs
-from ddpscope.schema import RunInfo, Step
+from ddpscope.schema import RunInfo
 
 FORMAT = "ddpscope.compare"
 VERSION = 1
@@ -79,20 +83,14 @@ _BY_KEY = {m.key: m for m in METRICS}
 # --- reading -------------------------------------------------------------------
 
 
-def _own_ns(s: Step) -> int:
-    # Own work: every collective wait out, not only the gradient all-reduce's
-    # (a fast rank under BatchNorm waits in the buffer broadcast).
-    return s.t_end - s.t_start - s.comm_wait_ns - s.sync_wait_ns - s.coll_wait_ns
-
-
 @dataclass
 class Side:
-    """One side of the comparison: a run read and analysed as ``ddpscope report`` does."""
+    """One side of the comparison: a run read and analysed as ``ddpscope report`` does,
+    kept as its JSON object (the analysis is let go once that is built: two sides of a
+    big run never share memory)."""
 
     directory: str
-    analysis: Analysis
-    recording: report.RecordingSummary
-    runs: list[RunDir]
+    doc: dict[str, Any]
 
 
 def pick(
@@ -120,25 +118,23 @@ def pick(
 
 
 def load(directory: str, run_id: str | None, hang_after_s: float | None = None) -> Side:
-    """Read and analyse one side. Raises RecordError or OSError on unreadable input."""
-    # Every step kept: the figures compare whole runs (compare.md).
-    analysis, recording, runs = report.analyze(
-        directory, run_id, hang_after_s=hang_after_s, history=None
-    )
-    return Side(directory, analysis, recording, runs)
+    """Read and analyse one side, streaming (memory does not grow with the run's
+    length). Raises RecordError or OSError on unreadable input."""
+    tally = CompareTally()
+    try:
+        analysis, recording, runs = report.analyze(
+            directory, run_id, hang_after_s=hang_after_s, observe=tally.fed
+        )
+        try:
+            doc = side_json(directory, analysis, recording, runs, tally)
+        finally:
+            recording.tally.close()
+    finally:
+        tally.close()
+    return Side(directory, doc)
 
 
 # --- figures of one side ---------------------------------------------------------
-
-
-def used_steps(run: RunState) -> list[int]:
-    """Step indices the figures use: all but the first WARMUP_STEPS of the run.
-
-    A run too short to have any step after warm-up keeps all its steps (the
-    sample-size warning says how few).
-    """
-    indices = sorted(run.by_step)
-    return indices[WARMUP_STEPS:] or indices
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -146,91 +142,115 @@ def _median(values: Iterable[float | None]) -> float | None:
     return round(statistics.median(known), 3) if known else None
 
 
-def rank_figures(run: RunState, keep: set[int]) -> list[dict[str, Any]]:
+@dataclass
+class _Steps:
+    """The run's step indices and per-step figures, over the steps after warm-up."""
+
+    #: Distinct step indices of the run, and those left out as warm-up.
+    count: int
+    warmup: set[int]
+    #: Per kept step: the median over ranks of the step time (ns).
+    series: list[float]
+    #: Per kept step that every rank reported with timed buckets: the least in flight.
+    in_flight: list[int]
+
+
+def _steps(run: RunState, tally: CompareTally) -> _Steps:
+    """One pass over the per-step spill, block by block in step order.
+
+    Warm-up is the run's first WARMUP_STEPS step indices; a run too short to
+    have any step after them keeps all its steps (the sample-size warning says
+    how few).
+    """
+    n = len(run.ranks)
+    count = 0
+    early: list[tuple[int, float, int | None]] = []
+    series: list[float] = []
+    flying: list[int] = []
+    for block in tally.blocks(set(run.ranks)):
+        for step, entries in block.items():
+            count += 1
+            med = statistics.median(d for d, _ in entries)
+            least: int | None = None
+            if len(entries) >= n:
+                spans = [f for _, f in entries]
+                if all(spans):
+                    least = min(spans)
+            if len(early) < WARMUP_STEPS:
+                early.append((step, med, least))
+                continue
+            series.append(med)
+            if least is not None:
+                flying.append(least)
+    if count <= WARMUP_STEPS:
+        series = [m for _, m, _ in early]
+        flying = [f for _, _, f in early if f is not None]
+        return _Steps(count, set(), series, flying)
+    return _Steps(count, {s for s, _, _ in early}, series, flying)
+
+
+def rank_figures(run: RunState, tally: CompareTally, warmup: set[int]) -> list[dict[str, Any]]:
     """Per rank, medians over its kept steps (ms), its own work and its throughput."""
-    waits = report.allreduce_waits(_only_steps(run, keep))
+    waits = report.allreduce_waits(wait_sample(run, tally, warmup))
     out = []
     for r in sorted(run.ranks):
-        steps = [s for s in run.ranks[r].steps if s.step in keep]
-        durations = [s.t_end - s.t_start for s in steps]
+        cols = {name: tally.column(r, name) for name in RANK_FIELDS}
+        keep = [i for i, s in enumerate(cols["step"]) if s not in warmup]
+
+        def kept(name: str, keep: list[int] = keep, cols: dict[str, array] = cols) -> list[int]:
+            col = cols[name]
+            return [col[i] for i in keep]
+
         out.append(
             {
                 "rank": r,
-                "steps_used": len(steps),
-                "step_ms": report.median_ms(durations),
-                "split_ms": {
-                    key: report.median_ms([getattr(s, f) for s in steps])
-                    for key, f in report.SPLIT.items()
-                },
+                "steps_used": len(keep),
+                "step_ms": report.median_ms(kept("duration")),
+                "split_ms": {key: report.median_ms(kept(f)) for key, f in report.SPLIT.items()},
                 # The straggler detector's measure: step time minus the time blocked on the
                 # all-reduce. In synchronous DDP step times even out, own work does not.
-                "own_ms": report.median_ms([_own_ns(s) for s in steps]),
+                "own_ms": report.median_ms(kept("own")),
                 "allreduce_wait_ms": waits.get(r),
-                "throughput": _throughput(steps),
+                "throughput": _throughput(kept("step"), kept("t_start"), kept("t_end")),
             }
         )
     return out
 
 
-def _only_steps(run: RunState, keep: set[int]) -> RunState:
-    # report.allreduce_waits reads every step of a run; a view without the warm-up
-    # steps lets it apply the same rule to the steps compared here.
-    view = RunState(run.run_id, history=None)
-    view.ranks = run.ranks
-    view.world_size = run.world_size
-    view.by_step = {s: row for s, row in run.by_step.items() if s in keep}
-    return view
+def wait_sample(run: RunState, tally: CompareTally, warmup: set[int]) -> list[dict[int, int]]:
+    """The all-reduce waits of the kept steps every rank reported: the report's even
+    spread (``streamstats.WaitSample.of_run``) over them, only those read back."""
+    n = len(run.ranks)
+    rows = tally.waits
+    last: dict[int, int] = {}
+    for i, (step, ranks) in enumerate(zip(rows.steps, rows.ranks, strict=True)):
+        # A row complete again with more ranks (a late joiner) stands for the step.
+        if ranks == n > 1 and step not in warmup:
+            last[step] = i
+    chosen = [last[s] for s in sorted(last)]
+    if not chosen:
+        return []
+    buckets = max(rows.buckets[i] for i in chosen[-8:])
+    keep = max(8, streamstats.WAIT_BUDGET // max(1, n * max(1, buckets)))
+    if len(chosen) > keep:
+        stride = len(chosen) / keep
+        chosen = [chosen[int(i * stride)] for i in range(keep)]
+    return [rows.read(i) for i in chosen]
 
 
-def _throughput(steps: Sequence[Step]) -> float | None:
+def _throughput(steps: list[int], starts: list[int], ends: list[int]) -> float | None:
     # Steps per second of wall time from the first kept step's start to the last one's
     # end: unlike the median step, it counts what happens between steps (evaluation,
     # checkpoints, epoch ends).
     if not steps:
         return None
-    span = steps[-1].t_end - steps[0].t_start
+    first = min(range(len(steps)), key=steps.__getitem__)
+    final = max(range(len(steps)), key=steps.__getitem__)
+    span = ends[final] - starts[first]
     return round(len(steps) * NS / span, 3) if span > 0 else None
 
 
-def bucket_allreduce_ms(run: RunState, keep: set[int]) -> float | None:
-    """Median per step of how long gradient buckets were in flight, in ms.
-
-    Per rank, the time at least one bucket's all-reduce was in flight (the
-    union of launch-to-completion intervals, on the rank's own clock: clocks
-    of two hosts do not compare); per step, the smallest over ranks: the rank
-    that waited least for the others, usually the last to arrive. It overlaps
-    backward by design, so it moves with the cost of communication even when
-    that cost is hidden from the step time.
-    """
-    totals = []
-    for s in keep:
-        row = run.by_step.get(s, {})
-        if not row or len(row) < len(run.ranks):
-            continue
-        spans = [_in_flight(st) for st in row.values()]
-        if all(spans):
-            totals.append(min(spans))
-    return report.median_ms(totals)
-
-
-def _in_flight(st: Step) -> int:
-    # Buckets that never completed (-1) are left out.
-    intervals = sorted(
-        (off, off + dur) for off, dur in zip(st.b_offset_ns, st.b_dur_ns, strict=False) if dur >= 0
-    )
-    total = 0
-    end = None
-    for lo, hi in intervals:
-        if end is None or lo > end:
-            total += hi - lo
-            end = hi
-        elif hi > end:
-            total += hi - end
-            end = hi
-    return total
-
-
-def step_noise(run: RunState, keep: set[int]) -> dict[str, Any]:
+def step_noise(series: list[float]) -> dict[str, Any]:
     """How well the median step time is known: its standard error, from the IQR.
 
     Per step, the median over ranks of the step time; then the standard error
@@ -238,11 +258,6 @@ def step_noise(run: RunState, keep: set[int]) -> dict[str, Any]:
     (robust to spikes). Consecutive steps are not independent, so this is a
     lower bound on the real uncertainty.
     """
-    series = [
-        statistics.median(st.t_end - st.t_start for st in run.by_step[s].values())
-        for s in sorted(keep)
-        if run.by_step.get(s)
-    ]
     se: float | None = None
     iqr: float | None = None
     if len(series) >= 4:
@@ -273,9 +288,18 @@ def spread(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
     }
 
 
-def figures(run: RunState | None) -> dict[str, Any]:
-    """Everything measured on one side: per rank, the run-level medians, the noise."""
-    if run is None or not run.by_step:
+def figures(run: RunState | None, tally: CompareTally) -> dict[str, Any]:
+    """Everything measured on one side: per rank, the run-level medians, the noise.
+
+    ``bucket_allreduce`` is the median per step of how long gradient buckets
+    were in flight: per rank, the union of launch-to-completion intervals on
+    its own clock (clocks of two hosts do not compare); per step, the least
+    over ranks (the rank that waited least, usually the last to arrive). It
+    overlaps backward by design, so it moves with the cost of communication
+    even when that cost is hidden from the step time.
+    """
+    steps = _steps(run, tally) if run is not None else None
+    if run is None or steps is None or not steps.count:
         return {
             "warmup_skipped": 0,
             "steps_used": 0,
@@ -284,43 +308,42 @@ def figures(run: RunState | None) -> dict[str, Any]:
             "spread": None,
             "noise": {"n": 0, "iqr_ms": None, "se_ms": None},
         }
-    kept = used_steps(run)
-    keep = set(kept)
-    ranks = rank_figures(run, keep)
+    ranks = rank_figures(run, tally, steps.warmup)
     values: dict[str, float | None] = {
         "step": _median(r["step_ms"] for r in ranks),
         **{key: _median(r["split_ms"][key] for r in ranks) for key in report.SPLIT},
         "allreduce_wait": _median(r["allreduce_wait_ms"] for r in ranks),
-        "bucket_allreduce": bucket_allreduce_ms(run, keep),
+        "bucket_allreduce": report.median_ms(steps.in_flight),
         "throughput": _median(r["throughput"] for r in ranks),
     }
     sp = spread(ranks)
     values["spread"] = sp["ratio"] if sp else None
     return {
-        "warmup_skipped": len(run.by_step) - len(kept),
+        "warmup_skipped": len(steps.warmup),
         "steps_used": min((r["steps_used"] for r in ranks), default=0),
         "ranks": ranks,
         "values": {k: values[k] for k in METRIC_KEYS},
         "spread": sp,
-        "noise": step_noise(run, keep),
+        "noise": step_noise(steps.series),
     }
 
 
-def setup(run: RunState | None, summary: dict[str, Any]) -> dict[str, Any]:
+def setup(run: RunState | None, summary: dict[str, Any], tally: CompareTally) -> dict[str, Any]:
     """What the run trained and how, for telling whether two runs are comparable."""
-    views = [run.ranks[r] for r in sorted(run.ranks)] if run is not None else []
+    order = sorted(run.ranks) if run is not None else []
+    views = [run.ranks[r] for r in order] if run is not None else []
     info: RunInfo | None = next((v.info for v in views if v.info is not None), None)
     training = summary.get("training") or {}
     count, tensors, signature = _model(info.params if info else [])
     layout = next((v.layout for v in views if v.layout is not None), None)
-    step_buckets = max((len(s.b_index) for v in views for s in v.steps), default=0)
-    clocks = Counter(s.clock for v in views for s in v.steps)
+    step_buckets = tally.step_buckets(order)
+    clock = tally.clock(order)
     cap = info.ddp.get("bucket_cap_bytes") if info else None
     return {
         "world_size": summary["world_size"] or None,
         "backend": summary["backend"] or None,
         "device": summary["device"] or None,
-        "clock": clocks.most_common(1)[0][0] if clocks else None,
+        "clock": clock,
         "parameters": count,
         "parameter_tensors": tensors,
         "model_signature": signature,
@@ -354,17 +377,23 @@ def _model(params: list[list[Any]]) -> tuple[int | None, int | None, str | None]
 # --- the JSON object -------------------------------------------------------------
 
 
-def side_json(side: Side) -> dict[str, Any]:
-    run = report.run_of(side.analysis, side.recording)
-    summary = report.run_summary(run, side.recording, side.runs)
-    book = side.analysis.books.get(run.run_id) if run is not None else None
+def side_json(
+    directory: str,
+    analysis: Analysis,
+    recording: RecordingSummary,
+    runs: list[RunDir],
+    tally: CompareTally,
+) -> dict[str, Any]:
+    run = report.run_of(analysis, recording)
+    summary = report.run_summary(run, recording, runs)
+    book = analysis.books.get(run.run_id) if run is not None else None
     return {
-        "dir": side.directory,
+        "dir": directory,
         "run": summary,
-        "setup": setup(run, summary),
-        "figures": figures(run),
+        "setup": setup(run, summary, tally),
+        "figures": figures(run, tally),
         "findings": [f.to_json() for f in book.sorted()] if book is not None else [],
-        "problems": report.problems(side.recording, side.analysis),
+        "problems": report.problems(recording, analysis),
     }
 
 
@@ -376,7 +405,7 @@ def build(
     new_level: str | None = None,
 ) -> dict[str, Any]:
     """The comparison object documented in docs/compare.md."""
-    ja, jb = side_json(a), side_json(b)
+    ja, jb = a.doc, b.doc
     doc: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,

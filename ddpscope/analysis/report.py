@@ -20,7 +20,7 @@ from __future__ import annotations
 import datetime
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ddpscope.analysis.build import build_analysis, end_of_stream
@@ -64,12 +64,14 @@ def analyze(
     hang_after_s: float | None = None,
     detectors: Iterable[Detector] | None = None,
     history: int | None = MAX_HISTORY,
+    observe: Callable[[Message, RunState], None] | None = None,
 ) -> tuple[Analysis, RecordingSummary, list[RunDir]]:
     """Read a run (the newest unless ``run_id``) and run the detectors over it,
     streaming: memory does not grow with the recording's length.
 
     ``history`` bounds the steps the analysis keeps per rank as the replay's
-    does (None keeps all: compare's figures need every step).
+    does (None keeps all). ``observe(msg, run)`` sees each message after the
+    analysis took it (compare gathers its figures so).
     Raises RecordError (or OSError) for input that cannot be read at all.
     """
     runs = find_runs(directory)
@@ -88,6 +90,8 @@ def analyze(
         if history is not None:
             fit_history(state)
         tally.fed(msg, state)
+        if observe is not None:
+            observe(msg, state)
 
     try:
         replay(stream, analysis, shifts=shifts, on_feed=fed)

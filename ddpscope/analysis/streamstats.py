@@ -79,6 +79,10 @@ class Spill:
     def count(self, key: int) -> int:
         return self._counts[key]
 
+    def keys(self) -> list[int]:
+        """Every key added to, in the order first added."""
+        return list(self._counts)
+
     def flush(self) -> None:
         if self._file is None:
             self._file = tempfile.TemporaryFile(prefix="ddpscope-report-")  # noqa: SIM115

@@ -97,8 +97,17 @@ exit status:
                 f"{recording.run.run_id}; --run ID for another"
             )
         from ddpscope.export import Timeline
+        from ddpscope.export.indexed import indexed
 
-        timeline = Timeline(recording)  # reads every file once: their problems are known
+        # The analysis' pass, or a current index file, gives what the timeline needs;
+        # otherwise it reads every file once (and their problems are known).
+        scans = summary.stream.earliest() if summary is not None else None
+        kinds = frozenset(("step",) if args.format == "csv" else ("step", "heartbeat"))
+        fast = indexed(run, kinds)
+        if fast is not None:
+            recording = fast
+            scans = scans if scans is not None else fast.scans()
+        timeline = Timeline(recording, scans)
         for problem in (
             report.problems(summary if summary is not None else recording, analysis)
             + timeline.notes

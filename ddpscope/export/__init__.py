@@ -19,7 +19,10 @@ from ddpscope.record import clocks
 from ddpscope.record.reader import RunDir
 from ddpscope.schema import Message, RunInfo, Step
 
-__all__ = ["RankClock", "Readable", "Timeline", "fixed"]
+__all__ = ["RankClock", "Readable", "Scan", "Timeline", "fixed"]
+
+#: Of one rank: its earliest time on its own clock (None: no message), its first run info.
+Scan = tuple["int | None", "RunInfo | None"]
 
 
 class Readable(Protocol):
@@ -46,15 +49,19 @@ class RankClock:
 class Timeline:
     """Every rank's clock mapped onto the run's wall time, zero at its earliest message."""
 
-    def __init__(self, recording: Readable) -> None:
+    def __init__(self, recording: Readable, scans: Mapping[int, Scan] | None = None) -> None:
+        """``scans``: per rank, (earliest time, first run info) gathered elsewhere (by the
+        pass of the analysis, or from the index file); without them the rank's
+        messages are read for it."""
         self.notes: list[str] = []
         headers: dict[int, dict[str, object]] = {}
         for f in recording.run.files:
             headers.setdefault(f.rank, f.header)
         anchored: dict[int, tuple[str, int | None, str]] = {}
         first_ns: dict[int, int] = {}
-        for rank, msgs in sorted(recording.messages.items()):
-            earliest, info = _scan(msgs)
+        if scans is None:
+            scans = {rank: _scan(msgs) for rank, msgs in recording.messages.items()}
+        for rank, (earliest, info) in sorted(scans.items()):
             if earliest is None:
                 continue
             first_ns[rank] = earliest
@@ -88,7 +95,7 @@ class Timeline:
         return out
 
 
-def _scan(msgs: Iterable[Message]) -> tuple[int | None, RunInfo | None]:
+def _scan(msgs: Iterable[Message]) -> Scan:
     """(earliest time, first run info) of a rank's messages, in one pass over them."""
     earliest: int | None = None
     info: RunInfo | None = None

@@ -40,7 +40,8 @@ from ddpscope.record.format import SUFFIX, crc32
 
 MAGIC = b"DDPSIDX\0"
 #: Bump on any change to what the meta holds or how arrays are laid out.
-VERSION = 1
+#: 2: each stream's earliest own-clock time ("first"), for export's timeline.
+VERSION = 2
 NAME = ".ddpscope-index"
 _HEAD = struct.Struct("<8sHI")
 _U32 = struct.Struct("<I")

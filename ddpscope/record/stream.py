@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ddpscope.record.reader import RankFile, RunDir, _int
-from ddpscope.schema import End, Message, RunInfo, SchemaError, decode
+from ddpscope.schema import End, Message, RunInfo, SchemaError, Step, decode
 
 #: Records a file may be written out of time order by (the replay index uses the same).
 REORDER = 64
@@ -35,6 +35,10 @@ class FileTally:
     first_t: int = -1
     last_t: int = -1
     messages: int = 0
+    #: Earliest time on the file's own clock, a step's start counting (None: no message).
+    earliest: int | None = None
+    #: The first run info in file order.
+    info: RunInfo | None = None
     #: The last message in file order was an end message.
     ended: bool = False
     bytes_read: int = 0
@@ -91,6 +95,12 @@ class RunStream:
                 self.tap(rf.rank, msg)
             tally.ended = isinstance(msg, End)
             t = msg.t
+            # (A step starts before the message that reports it was created: t = t_end.)
+            early = min(t, msg.t_start) if isinstance(msg, Step) else t
+            if tally.earliest is None or early < tally.earliest:
+                tally.earliest = early
+            if tally.info is None and isinstance(msg, RunInfo):
+                tally.info = msg
             if tally.first_t < 0 or t < tally.first_t:
                 tally.first_t = t
             tally.last_t = max(tally.last_t, t)
@@ -127,6 +137,18 @@ class RunStream:
             if tally.messages:
                 last[f.rank] = tally.ended
         return {r for r, ended in last.items() if ended}
+
+    def earliest(self) -> dict[int, tuple[int | None, RunInfo | None]]:
+        """Per rank (file header's), its earliest time on its own clock and its first
+        run info (files in ``file_order``): what an export's timeline needs."""
+        out: dict[int, tuple[int | None, RunInfo | None]] = {}
+        for f in self.files:
+            tally = self.tallies[f.path]
+            early, info = out.get(f.rank, (None, None))
+            if tally.earliest is not None and (early is None or tally.earliest < early):
+                early = tally.earliest
+            out[f.rank] = (early, info if info is not None else tally.info)
+        return out
 
     @property
     def bytes_read(self) -> int:

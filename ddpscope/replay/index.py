@@ -98,12 +98,18 @@ class Stream:
         self._seq_count = 0
         self._last_t = -(1 << 62)
         self._next_offset = rf.data_offset
+        #: Earliest time in the file on its own clock (a step's start counts), None
+        #: before any record: what an export's timeline needs of the file.
+        self.first_ns: int | None = None
 
     def __len__(self) -> int:
         return len(self.offset)
 
     def add(self, offset: int, msg: Message) -> None:
         pos = len(self.offset)
+        t = min(msg.t, msg.t_start) if isinstance(msg, Step) else msg.t
+        if self.first_ns is None or t < self.first_ns:
+            self.first_ns = t
         self._last_t = max(self._last_t, msg.t + self.shift)
         self.tmax.append(self._last_t)
         self.offset.append(offset)
@@ -254,7 +260,14 @@ class RecordingIndex:
                 arrays[f"{i}.{name}"] = getattr(s, name)
             for code, pos in s.by_kind.items():
                 arrays[f"{i}.kind.{code}"] = pos
-            streams.append({"path": s.file.path, "next": s._next_offset, "kinds": list(s.by_kind)})
+            streams.append(
+                {
+                    "path": s.file.path,
+                    "next": s._next_offset,
+                    "kinds": list(s.by_kind),
+                    "first": s.first_ns,
+                }
+            )
         arrays["step_done.step"] = array("q", self.step_done.keys())
         arrays["step_done.t"] = array("q", self.step_done.values())
         arrays["moment.t"] = self._moment_t
@@ -290,6 +303,7 @@ class RecordingIndex:
                 setattr(s, name, arrays[f"{i}.{name}"])
             s.by_kind = {int(code): arrays[f"{i}.kind.{code}"] for code in info["kinds"]}
             s._next_offset = info["next"]
+            s.first_ns = info.get("first")
         self.step_done = dict(zip(arrays["step_done.step"], arrays["step_done.t"], strict=True))
         views = [cache.view_from_list(v) for v in meta["views"]]
         self._moment_t = arrays["moment.t"]

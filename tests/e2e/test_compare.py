@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope.analysis import compare
+from tests.support import compare_before_streaming as before
 from tests.support.torchrun import DEMO, ROOT, job_env, torchrun
 from tests.unit.test_compare import fits, metric
 
@@ -49,3 +50,7 @@ def test_a_straggling_job_is_slower_than_a_healthy_one(tmp_path: Path) -> None:
     fits(gate.stdout)
     assert "verdict: FAIL" in gate.stdout
     assert ddpscope_compare(a, a, "--fail-on-regression", "0").returncode == 0
+    # The streaming compare says what the in-memory one said, on real jobs' recordings.
+    old = before.build(before.load(a, None), before.load(b, None), 50.0, ["step"], "warning")
+    new = compare.build(compare.load(a, None), compare.load(b, None), 50.0, ["step"], "warning")
+    assert json.loads(json.dumps(new)) == json.loads(json.dumps(old))
