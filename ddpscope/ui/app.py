@@ -149,11 +149,21 @@ class WatchApp(App[None]):
         self._run_id: str | None = None
         self._order: list[int] = []
         self.rank_filter: RankFilter = EVERYTHING
-        #: (snapshot seq, filter, sort column, reverse) -> the rows in display order:
-        #: a key that changes none of them (a view, the cursor) sorts nothing again.
+        #: (snapshot seq, rows, filter) -> the rows kept; with (sort column, reverse)
+        #: -> the rows in display order: a key that changes none of them (a view, the
+        #: cursor) filters and sorts nothing again, and the views, handed the very same
+        #: lists, see that nothing changed and redraw nothing.
+        self._kept_key: tuple[object, ...] = ()
         self._ordered_key: tuple[object, ...] = ()
         self._ordered: list[RankRow] = []
         self._kept: list[RankRow] = []
+        #: The last snapshot asked for: a key that needs no other (a view switch on
+        #: the dashboard) asks for none, which at 4,096 ranks spares the ingest
+        #: thread a build.
+        self._requested: SnapshotRequest | None = None
+        #: The rank detail, built on first use and reused (installed, so that
+        #: closing it keeps it mounted).
+        self._detail: RankDetailScreen | None = None
         # The main screen's widgets, held directly: App.query_one searches the
         # active screen, which is the rank detail or help while those are open.
         self.header = HeaderPanel(id="header")
@@ -215,7 +225,8 @@ class WatchApp(App[None]):
 
     # --- the pace --------------------------------------------------------------------
 
-    def _pull(self, detail_rank: int | None = None) -> None:
+    def _pull(self, detail_rank: int | None = None, *, unless_same: bool = False) -> None:
+        """Ask for a snapshot; ``unless_same``: only if it is not the one asked for last."""
         self._check_job()
         self.log_view.poll()
         if self.paused:
@@ -224,13 +235,15 @@ class WatchApp(App[None]):
         if detail_rank is None and detail is not None:
             detail_rank = detail.rank
         main = detail_rank is None
-        self.source.request_snapshot(
-            SnapshotRequest(
-                detail_rank=detail_rank,
-                series=main and self._shown(self.steps),
-                buckets=main and self._shown(self.buckets),
-            )
+        request = SnapshotRequest(
+            detail_rank=detail_rank,
+            series=main and self._shown(self.steps),
+            buckets=main and self._shown(self.buckets),
         )
+        if unless_same and request == self._requested:
+            return
+        self._requested = request
+        self.source.request_snapshot(request)
 
     def _check_job(self) -> None:
         if self.job is None or self.job_status is not None:
@@ -259,6 +272,8 @@ class WatchApp(App[None]):
             if detail is not None and detail.detail is None:
                 detail.show(message.snapshot.detail)
             return
+        if message.snapshot is self.snapshot:
+            return  # shown already: every key applies what it changed itself
         self.snapshot = message.snapshot
         self._apply()
 
@@ -302,21 +317,24 @@ class WatchApp(App[None]):
         return f"/ {self.rank_filter.text}: {kept} of {len(snap.rows)} ranks (esc: all)"
 
     def _kept_rows(self, snap: Snapshot) -> list[RankRow]:
-        self._order_rows(snap)
+        kept_key = (snap.seq, id(snap.rows), self.rank_filter)
+        if kept_key != self._kept_key:
+            self._kept = self.rank_filter.apply(snap.rows)
+            self._kept_key = kept_key
         return self._kept
 
     def _order_rows(self, snap: Snapshot) -> list[RankRow]:
         table = self.ranks
-        key = (snap.seq, id(snap.rows), self.rank_filter, table.sort_column, table.sort_reverse)
+        kept = self._kept_rows(snap)
+        key = (*self._kept_key, table.sort_column, table.sort_reverse)
         if key != self._ordered_key:
-            self._kept = self.rank_filter.apply(snap.rows)
-            self._ordered = order_rows(self._kept, table.sort_column, table.sort_reverse)
+            self._ordered = order_rows(kept, table.sort_column, table.sort_reverse)
             self._ordered_key = key
         return self._ordered
 
     def _apply_rows(self, snap: Snapshot) -> None:
         ordered = self._order_rows(snap)
-        key = self._ordered_key[:3]  # the set of rows: snapshot and filter, not their order
+        key = self._kept_key  # the set of rows: snapshot and filter, not their order
         self._order = [r.rank for r in ordered]
         views: tuple[RowsView[Any], ...] = (
             self.ranks,
@@ -402,7 +420,7 @@ class WatchApp(App[None]):
         self._view_widget(name).focus()
         if self.snapshot is not None:
             self._apply()
-        self._pull()
+        self._pull(unless_same=True)
 
     def _view_widget(self, name: str) -> Widget:
         widgets: dict[str, Widget] = {
@@ -513,9 +531,7 @@ class WatchApp(App[None]):
         if screen is None or not self._order:
             return
         i = self._order.index(screen.rank) if screen.rank in self._order else 0
-        rank = self._order[(i + delta) % len(self._order)]
-        self.pop_screen()
-        self._open_detail(rank)
+        self._open_detail(self._order[(i + delta) % len(self._order)])
 
     def on_rank_highlighted(self, message: RankHighlighted) -> None:
         self.selected = message.rank
@@ -525,8 +541,15 @@ class WatchApp(App[None]):
 
     def _open_detail(self, rank: int) -> None:
         self.selected = rank
-        self.push_screen(RankDetailScreen(rank))
-        self.source.request_snapshot(SnapshotRequest(detail_rank=rank))
+        screen = self._detail
+        if screen is None:
+            screen = self._detail = RankDetailScreen(rank)
+            self.install_screen(screen, "rank-detail")
+        screen.show_rank(rank)
+        if self._detail_screen() is None:
+            self.push_screen(screen)
+        self._requested = SnapshotRequest(detail_rank=rank)
+        self.source.request_snapshot(self._requested)
 
 
 def build_app(

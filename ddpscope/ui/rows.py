@@ -96,6 +96,10 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.rows: tuple[RowT, ...] = ()
+        #: What the last set_rows was handed, and its key: handed them again (a key
+        #: that changed nothing here), the view keeps its drawn lines.
+        self._given: object = None
+        self._given_key: object = None
         self._index: dict[int, int] = {}
         self.cursor_rank: int | None = None
         # Until the user picks a rank, the cursor stays on the first row: the
@@ -130,7 +134,11 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
         ``key`` names the set of rows, whatever their order (the snapshot and the
         filter): views that sum up every row (a scale, the columns in use) skip
         that while it is unchanged, so a re-sort costs a sort. None: always sum.
+        The very same sequence with the same key changes nothing and draws nothing.
         """
+        if key is not None and rows is self._given and key == self._given_key:
+            return
+        self._given, self._given_key = rows, key
         self.rows = tuple(rows)
         self._index = {row.rank: i for i, row in enumerate(self.rows)}
         self._lines.clear()
