@@ -1,11 +1,12 @@
-"""What a key costs the watch app: a key that changes no row rebuilds none, and asks for no snapshot.
+"""What a key costs the watch app: a key that changes no row rebuilds none, asks for no snapshot.
 
 At 4,096 ranks a key is answered in time only if it redraws what it changed
 and nothing else (benchmarks/ui_keys.py measures it). These tests pin the
 behaviour that makes it so, on the real app driven by its Pilot through the
 snapshot-source seam: views handed the rows they show already keep them, a
-view switch that needs no other snapshot asks for none, and the rank detail
-is one screen, built once and shown for each rank it is opened for.
+view switch that needs no other snapshot asks for none, the finding cards
+are laid out once per change of the findings, and the rank detail is one
+screen, built once and shown for each rank it is opened for.
 """
 
 from __future__ import annotations
@@ -149,5 +150,26 @@ def test_a_detail_reopened_for_another_rank_while_paused_shows_that_rank(
         assert app.screen is screen and screen.rank == app.ranks.cursor_rank
         # Paused, a rank's first detail still comes; the last rank's is not kept for it.
         assert screen.detail is not None and screen.detail.rank == screen.rank
+
+    drive(feed, scenario, NARROW)
+
+
+def test_the_finding_cards_shown_again_are_the_lines_laid_out_before(feed: MonitorSource) -> None:
+    async def scenario(pilot: Pilot[None]) -> None:
+        app = pilot.app
+        assert isinstance(app, WatchApp)
+        cards = app.findings._cards
+        await pilot.press("4")  # full cards, in place of the compact lines
+        await pilot.pause()
+        laid_out = dict(cards._laid_out)
+        assert laid_out and cards.display
+        drawn = [strip.text for strip in app.screen._compositor.render_strips()]
+        assert any("hang" in line for line in drawn)
+        await pilot.press("1", "4")  # compact lines under the ranks, then the cards again
+        await pilot.pause()
+        assert cards.display and all(
+            cards._laid_out.get(key) is strips for key, strips in laid_out.items()
+        )
+        assert [strip.text for strip in app.screen._compositor.render_strips()] == drawn
 
     drive(feed, scenario, NARROW)
