@@ -23,6 +23,8 @@ from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
+from textual.reactive import Reactive
+from textual.screen import Screen
 from textual.widget import Widget
 
 from ddpscope.analysis.snapshot import RankRow, Snapshot, SnapshotRequest
@@ -88,6 +90,17 @@ class Job(Protocol):
     def poll(self) -> int | None: ...
 
 
+class MainScreen(Screen[None]):
+    """Textual's default screen, except that moving focus does not repaint all of it.
+
+    Screen.focused repaints the whole screen on every change; the widgets whose
+    style follows focus restyle and refresh themselves anyway. At 200x50 that
+    full repaint was the largest part of a view switch on the dashboard.
+    """
+
+    focused: Reactive[Widget | None] = Reactive(None, repaint=False)
+
+
 class WatchApp(App[None]):
     TITLE = "ddpscope watch"
     # Every command has a key and the footer lists them; the palette would only add noise.
@@ -109,7 +122,7 @@ class WatchApp(App[None]):
     #findings.-full { height: 1fr; max-height: 100%; }
     #body.-wide #findings { width: 36%; max-width: 80; height: 1fr; max-height: 100%;
         border: round $panel-lighten-2; }
-    #findings:focus-within, #body.-wide #findings:focus { border-title-color: $accent; }
+    #findings:focus { border-title-color: $accent; }
     """
 
     BINDINGS = [
@@ -183,6 +196,9 @@ class WatchApp(App[None]):
         self.lower = Horizontal(id="lower")
 
     # --- building ------------------------------------------------------------------
+
+    def get_default_screen(self) -> Screen[None]:
+        return MainScreen(id="_default")
 
     def compose(self) -> ComposeResult:
         yield self.header

@@ -172,10 +172,18 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
         return style
 
     def notify_style_update(self) -> None:
-        # Focus, theme or CSS changed: styles and the lines drawn with them are stale.
+        # Focus, theme or CSS changed: the styles are stale, and so are the lines
+        # drawn with them unless only the cursor's changed (focus does just that, and
+        # the cursor is laid on at draw time): then a view switch redraws no line.
         super().notify_style_update()
-        self._styles.clear()
-        self._lines.clear()
+        old, self._styles = self._styles, {}
+        if any(
+            self._resolve(name) != style for name, style in old.items() if name != "rows--cursor"
+        ):
+            self._lines.clear()
+
+    def _resolve(self, name: str) -> Style:
+        return self.base_style if name == "" else self.style(name)
 
     def level_style(self, level: int) -> Style:
         return self.style(LEVEL_CLASS.get(level, "rows--ok"))
