@@ -170,9 +170,10 @@ class WatchApp(App[None]):
         self._ordered_key: tuple[object, ...] = ()
         self._ordered: list[RankRow] = []
         self._kept: list[RankRow] = []
-        #: The last snapshot asked for: a key that needs no other (a view switch on
-        #: the dashboard) asks for none, which at 4,096 ranks spares the ingest
-        #: thread a build.
+        #: The last snapshot asked for: a view switch asks for one only when it needs
+        #: more than that (series, buckets); one that needs less (the job log on the
+        #: dashboard) waits for the next pull. At 4,096 ranks that spares the ingest
+        #: thread a build and the UI a snapshot to apply.
         self._requested: SnapshotRequest | None = None
         #: The rank detail, built on first use and reused (installed, so that
         #: closing it keeps it mounted).
@@ -241,8 +242,8 @@ class WatchApp(App[None]):
 
     # --- the pace --------------------------------------------------------------------
 
-    def _pull(self, detail_rank: int | None = None, *, unless_same: bool = False) -> None:
-        """Ask for a snapshot; ``unless_same``: only if it is not the one asked for last."""
+    def _pull(self, detail_rank: int | None = None, *, if_more: bool = False) -> None:
+        """Ask for a snapshot; ``if_more``: only if it asks for more than the last one."""
         self._check_job()
         self.log_view.poll()
         if self.paused:
@@ -256,7 +257,7 @@ class WatchApp(App[None]):
             series=main and self._shown(self.steps),
             buckets=main and self._shown(self.buckets),
         )
-        if unless_same and request == self._requested:
+        if if_more and not _asks_more(request, self._requested):
             return
         self._requested = request
         self.source.request_snapshot(request)
@@ -436,7 +437,7 @@ class WatchApp(App[None]):
         self._view_widget(name).focus()
         if self.snapshot is not None:
             self._apply()
-        self._pull(unless_same=True)
+        self._pull(if_more=True)
 
     def _view_widget(self, name: str) -> Widget:
         widgets: dict[str, Widget] = {
@@ -566,6 +567,13 @@ class WatchApp(App[None]):
             self.push_screen(screen)
         self._requested = SnapshotRequest(detail_rank=rank)
         self.source.request_snapshot(self._requested)
+
+
+def _asks_more(request: SnapshotRequest, last: SnapshotRequest | None) -> bool:
+    """Whether ``request`` wants something a snapshot built for ``last`` lacks."""
+    if last is None or request.detail_rank != last.detail_rank:
+        return True
+    return (request.series and not last.series) or (request.buckets and not last.buckets)
 
 
 def build_app(

@@ -79,9 +79,15 @@ class HostsView(RowsView[Item]):
         """The rows to group (the filtered ones). Grouping runs once per new set
         of rows; the very same list again (a key that changed neither the snapshot
         nor the filter) changes nothing and draws nothing."""
-        if rows is self._source:
+        src = self._source
+        if rows is src:
             return
         self._source = rows
+        # The same row objects in another list (the same snapshot filtered again):
+        # identity is enough, and far cheaper than grouping 4,096 rows.
+        same_length = src is not None and len(src) == len(rows)
+        if same_length and all(a is b for a, b in zip(src or (), rows, strict=True)):
+            return
         self.groups = group_rows(rows)
         self._rows = {r.rank: r for r in rows}
         self._host_of = {r.rank: r.host for r in rows}
