@@ -289,8 +289,8 @@ class WatchApp(App[None]):
             if detail is not None and detail.detail is None:
                 detail.show(message.snapshot.detail)
             return
-        if message.snapshot is self.snapshot:
-            return  # shown already: every key applies what it changed itself
+        # The same snapshot again is applied too (the header and a replay's bar show
+        # state from outside it); its rows are the views' already, so they draw nothing.
         self.snapshot = message.snapshot
         self._apply()
 
