@@ -12,7 +12,7 @@ real terminal gets them); the app's own pull timer is off so that no other
 work falls in the window.
 
     python -m benchmarks.ui_keys                       # 1,024 and 4,096 ranks, 200x50
-    python -m benchmarks.ui_keys --worlds 4096 --size 120x40 --repeat 20
+    python -m benchmarks.ui_keys --worlds 4096 --size 80x24 160x45 200x50 --repeat 20
 
 Prints a Markdown table (and JSON with --json): per key, median and the
 spread (min, 90th percentile, max) in ms.
@@ -42,6 +42,13 @@ from tests.support.cluster import Prebuilt, cluster_run, source
 KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("down (move the cursor)", (), "down"),
     ("up", (), "up"),
+    ("pagedown", (), "pagedown"),
+    ("pageup", (), "pageup"),
+    ("2 (step times view)", (), "2"),
+    ("3 (buckets view)", (), "3"),
+    ("4 (findings view)", (), "4"),
+    ("5 (job log view)", (), "5"),
+    ("6 (phases view)", (), "6"),
     ("7 (hosts view)", (), "7"),
     ("enter (open a host)", (), "enter"),
     ("enter (close it)", (), "enter"),
@@ -55,7 +62,12 @@ KEYS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("/ (open the filter)", (), "slash"),
     ("enter (apply 'node17')", tuple("node17"), "enter"),
     ("esc (clear the filter)", (), "escape"),
+    ("enter (rank detail)", (), "enter"),
+    ("esc (back from it)", (), "escape"),
 )
+#: Keys that build every kind of snapshot once before timing (the views ask for
+#: different ones, the detail for its rank's).
+WARM_UP = ("2", "3", "7", "1", "enter", "escape")
 
 
 def frames(app: App[Any]) -> list[tuple[float, float]]:
@@ -101,7 +113,7 @@ def measure(world: int, size: tuple[int, int], repeat: int) -> dict[str, Any]:
         async with app.run_test(size=size) as pilot:
             stamps = frames(app)
             # Every kind of snapshot built once (the 1/7/2/3 views ask for different ones).
-            for key in ("2", "3", "7", "1"):
+            for key in WARM_UP:
                 await pilot.press(key)
                 await pilot.pause()
             gc.collect()
@@ -130,9 +142,10 @@ def _q(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def _row(world: int, label: str, wall: list[float], cpu: list[float]) -> dict[str, str]:
+def _row(world: int, size: str, label: str, wall: list[float], cpu: list[float]) -> dict[str, str]:
     return {
         "Ranks": f"{world:,}",
+        "Size": size,
         "Key": label,
         "Median ms": f"**{statistics.median(wall):.0f}**",
         "Min / p90 / max ms": f"{min(wall):.0f} / {_q(wall, 0.9):.0f} / {max(wall):.0f}",
@@ -141,27 +154,29 @@ def _row(world: int, label: str, wall: list[float], cpu: list[float]) -> dict[st
 
 
 def rows_of(result: dict[str, Any]) -> list[dict[str, str]]:
-    world = result["world"]
+    world, size = result["world"], result["size"]
     out = []
     every: list[float] = []
     every_cpu: list[float] = []
     for label, values in result["times"].items():
         every += values
         every_cpu += result["cpu"][label]
-        out.append(_row(world, label, values, result["cpu"][label]))
-    out.append(_row(world, f"all keys ({len(every)} presses)", every, every_cpu))
+        out.append(_row(world, size, label, values, result["cpu"][label]))
+    out.append(_row(world, size, f"all keys ({len(every)} presses)", every, every_cpu))
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096])
-    parser.add_argument("--size", default="200x50", help="terminal COLSxROWS")
+    parser.add_argument(
+        "--size", nargs="+", default=["200x50"], help="terminal sizes, COLSxROWS each"
+    )
     parser.add_argument("--repeat", type=int, default=15, help="presses of each key")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    cols, rows = (int(v) for v in args.size.split("x"))
-    results = [measure(w, (cols, rows), args.repeat) for w in args.worlds]
+    sizes = [tuple(int(v) for v in size.split("x")) for size in args.size]
+    results = [measure(w, (s[0], s[1]), args.repeat) for w in args.worlds for s in sizes]
     if args.json:
         print(json.dumps(results, indent=1))
         return

@@ -23,6 +23,8 @@ from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
+from textual.reactive import Reactive
+from textual.screen import Screen
 from textual.widget import Widget
 
 from ddpscope.analysis.snapshot import RankRow, Snapshot, SnapshotRequest
@@ -88,6 +90,17 @@ class Job(Protocol):
     def poll(self) -> int | None: ...
 
 
+class MainScreen(Screen[None]):
+    """Textual's default screen, except that moving focus does not repaint all of it.
+
+    Screen.focused repaints the whole screen on every change; the widgets whose
+    style follows focus restyle and refresh themselves anyway. At 200x50 that
+    full repaint was the largest part of a view switch on the dashboard.
+    """
+
+    focused: Reactive[Widget | None] = Reactive(None, repaint=False)
+
+
 class WatchApp(App[None]):
     TITLE = "ddpscope watch"
     # Every command has a key and the footer lists them; the palette would only add noise.
@@ -109,7 +122,7 @@ class WatchApp(App[None]):
     #findings.-full { height: 1fr; max-height: 100%; }
     #body.-wide #findings { width: 36%; max-width: 80; height: 1fr; max-height: 100%;
         border: round $panel-lighten-2; }
-    #findings:focus-within, #body.-wide #findings:focus { border-title-color: $accent; }
+    #findings:focus { border-title-color: $accent; }
     """
 
     BINDINGS = [
@@ -149,11 +162,22 @@ class WatchApp(App[None]):
         self._run_id: str | None = None
         self._order: list[int] = []
         self.rank_filter: RankFilter = EVERYTHING
-        #: (snapshot seq, filter, sort column, reverse) -> the rows in display order:
-        #: a key that changes none of them (a view, the cursor) sorts nothing again.
+        #: (snapshot seq, rows, filter) -> the rows kept; with (sort column, reverse)
+        #: -> the rows in display order: a key that changes none of them (a view, the
+        #: cursor) filters and sorts nothing again, and the views, handed the very same
+        #: lists, see that nothing changed and redraw nothing.
+        self._kept_key: tuple[object, ...] = ()
         self._ordered_key: tuple[object, ...] = ()
         self._ordered: list[RankRow] = []
         self._kept: list[RankRow] = []
+        #: The last snapshot asked for: a view switch asks for one only when it needs
+        #: more than that (series, buckets); one that needs less (the job log on the
+        #: dashboard) waits for the next pull. At 4,096 ranks that spares the ingest
+        #: thread a build and the UI a snapshot to apply.
+        self._requested: SnapshotRequest | None = None
+        #: The rank detail, built on first use and reused (installed, so that
+        #: closing it keeps it mounted).
+        self._detail: RankDetailScreen | None = None
         # The main screen's widgets, held directly: App.query_one searches the
         # active screen, which is the rank detail or help while those are open.
         self.header = HeaderPanel(id="header")
@@ -173,6 +197,9 @@ class WatchApp(App[None]):
         self.lower = Horizontal(id="lower")
 
     # --- building ------------------------------------------------------------------
+
+    def get_default_screen(self) -> Screen[None]:
+        return MainScreen(id="_default")
 
     def compose(self) -> ComposeResult:
         yield self.header
@@ -215,7 +242,8 @@ class WatchApp(App[None]):
 
     # --- the pace --------------------------------------------------------------------
 
-    def _pull(self, detail_rank: int | None = None) -> None:
+    def _pull(self, detail_rank: int | None = None, *, if_more: bool = False) -> None:
+        """Ask for a snapshot; ``if_more``: only if it asks for more than the last one."""
         self._check_job()
         self.log_view.poll()
         if self.paused:
@@ -224,13 +252,15 @@ class WatchApp(App[None]):
         if detail_rank is None and detail is not None:
             detail_rank = detail.rank
         main = detail_rank is None
-        self.source.request_snapshot(
-            SnapshotRequest(
-                detail_rank=detail_rank,
-                series=main and self._shown(self.steps),
-                buckets=main and self._shown(self.buckets),
-            )
+        request = SnapshotRequest(
+            detail_rank=detail_rank,
+            series=main and self._shown(self.steps),
+            buckets=main and self._shown(self.buckets),
         )
+        if if_more and not _asks_more(request, self._requested):
+            return
+        self._requested = request
+        self.source.request_snapshot(request)
 
     def _check_job(self) -> None:
         if self.job is None or self.job_status is not None:
@@ -259,6 +289,8 @@ class WatchApp(App[None]):
             if detail is not None and detail.detail is None:
                 detail.show(message.snapshot.detail)
             return
+        # The same snapshot again is applied too (the header and a replay's bar show
+        # state from outside it); its rows are the views' already, so they draw nothing.
         self.snapshot = message.snapshot
         self._apply()
 
@@ -302,21 +334,24 @@ class WatchApp(App[None]):
         return f"/ {self.rank_filter.text}: {kept} of {len(snap.rows)} ranks (esc: all)"
 
     def _kept_rows(self, snap: Snapshot) -> list[RankRow]:
-        self._order_rows(snap)
+        kept_key = (snap.seq, id(snap.rows), self.rank_filter)
+        if kept_key != self._kept_key:
+            self._kept = self.rank_filter.apply(snap.rows)
+            self._kept_key = kept_key
         return self._kept
 
     def _order_rows(self, snap: Snapshot) -> list[RankRow]:
         table = self.ranks
-        key = (snap.seq, id(snap.rows), self.rank_filter, table.sort_column, table.sort_reverse)
+        kept = self._kept_rows(snap)
+        key = (*self._kept_key, table.sort_column, table.sort_reverse)
         if key != self._ordered_key:
-            self._kept = self.rank_filter.apply(snap.rows)
-            self._ordered = order_rows(self._kept, table.sort_column, table.sort_reverse)
+            self._ordered = order_rows(kept, table.sort_column, table.sort_reverse)
             self._ordered_key = key
         return self._ordered
 
     def _apply_rows(self, snap: Snapshot) -> None:
         ordered = self._order_rows(snap)
-        key = self._ordered_key[:3]  # the set of rows: snapshot and filter, not their order
+        key = self._kept_key  # the set of rows: snapshot and filter, not their order
         self._order = [r.rank for r in ordered]
         views: tuple[RowsView[Any], ...] = (
             self.ranks,
@@ -402,7 +437,7 @@ class WatchApp(App[None]):
         self._view_widget(name).focus()
         if self.snapshot is not None:
             self._apply()
-        self._pull()
+        self._pull(if_more=True)
 
     def _view_widget(self, name: str) -> Widget:
         widgets: dict[str, Widget] = {
@@ -513,9 +548,7 @@ class WatchApp(App[None]):
         if screen is None or not self._order:
             return
         i = self._order.index(screen.rank) if screen.rank in self._order else 0
-        rank = self._order[(i + delta) % len(self._order)]
-        self.pop_screen()
-        self._open_detail(rank)
+        self._open_detail(self._order[(i + delta) % len(self._order)])
 
     def on_rank_highlighted(self, message: RankHighlighted) -> None:
         self.selected = message.rank
@@ -525,8 +558,22 @@ class WatchApp(App[None]):
 
     def _open_detail(self, rank: int) -> None:
         self.selected = rank
-        self.push_screen(RankDetailScreen(rank))
-        self.source.request_snapshot(SnapshotRequest(detail_rank=rank))
+        screen = self._detail
+        if screen is None:
+            screen = self._detail = RankDetailScreen(rank)
+            self.install_screen(screen, "rank-detail")
+        screen.show_rank(rank)
+        if self._detail_screen() is None:
+            self.push_screen(screen)
+        self._requested = SnapshotRequest(detail_rank=rank)
+        self.source.request_snapshot(self._requested)
+
+
+def _asks_more(request: SnapshotRequest, last: SnapshotRequest | None) -> bool:
+    """Whether ``request`` wants something a snapshot built for ``last`` lacks."""
+    if last is None or request.detail_rank != last.detail_rank:
+        return True
+    return (request.series and not last.series) or (request.buckets and not last.buckets)
 
 
 def build_app(

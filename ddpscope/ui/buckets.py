@@ -9,6 +9,7 @@ averaged over the newest steps every rank reported.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
 from rich.segment import Segment
 from rich.style import Style
@@ -40,7 +41,11 @@ class BucketView(RowsView[RankRow]):
         if matrix is not self.matrix or not self._by_rank:  # the same one: a key, not a snapshot
             self.matrix = matrix
             self._by_rank = dict(zip(matrix.ranks, matrix.wait_ms, strict=True)) if matrix else {}
-            self.worst = max((max(w, default=0.0) for w in self._by_rank.values()), default=0.0)
+            waits = self._by_rank.values()
+            # The worst of every rank's worst, a rank with no figure counting as 0.
+            self.worst = max(chain.from_iterable(waits), default=0.0)
+            if not all(waits):
+                self.worst = max(self.worst, 0.0)
         self.set_rows(rows, key)
 
     def cell_width(self) -> int:

@@ -10,10 +10,11 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from ddpscope.analysis.snapshot import CollectiveRow, PassRow, PhaseRow, RankDetail, StacksView
 from ddpscope.ui import format as fmt
+from ddpscope.ui.keysline import KeysLine
 
 
 def summary(d: RankDetail) -> Text:
@@ -179,11 +180,18 @@ def stacks_text(stacks: StacksView | None, pending_s: float) -> RenderableType:
     return Group(*parts)
 
 
+def _waiting(rank: int) -> Text:
+    return Text(f"rank {rank}: waiting for data…")
+
+
 #: Below this many columns the stacks go under the history, not beside it.
 NARROW = 160
 
 
 class RankDetailScreen(Screen[None]):
+    """Built once and reused for every rank (:meth:`show_rank`): mounting a screen
+    styles each of its widgets, which cost more than the rest of opening it."""
+
     BINDINGS = [
         Binding("escape,backspace", "app.pop_screen", "Back"),
         # The app owns the feed and the rank order: these are its actions.
@@ -208,7 +216,7 @@ class RankDetailScreen(Screen[None]):
         super().__init__()
         self.rank = rank
         self.detail: RankDetail | None = None
-        self._summary = Static(Text(f"rank {rank}: waiting for data…"), id="detail-summary")
+        self._summary = Static(_waiting(rank), id="detail-summary")
         self._body = Horizontal(id="detail-body")
         self._phases = Static(id="detail-phases")
         self._collectives = Static(id="detail-collectives")
@@ -225,7 +233,8 @@ class RankDetailScreen(Screen[None]):
                 yield self._sampler
             with VerticalScroll(id="detail-stacks"):
                 yield self._stacks
-        yield Footer()
+        # Not Textual's Footer: it rebuilds a widget per key each time the screen shows.
+        yield KeysLine()
 
     def on_mount(self) -> None:
         self._draw()
@@ -233,6 +242,16 @@ class RankDetailScreen(Screen[None]):
     def on_resize(self) -> None:
         # Side by side only when the history's dozen columns still fit in half.
         self._body.set_class(self.size.width < NARROW, "-narrow")
+
+    def show_rank(self, rank: int) -> None:
+        """Stand for ``rank`` from now on; what was drawn for another rank goes."""
+        if rank == self.rank:
+            return
+        self.rank = rank
+        self.detail = None
+        self._summary.update(_waiting(rank))
+        for part in (self._phases, self._collectives, self._sampler, self._stacks):
+            part.update("")
 
     def show(self, detail: RankDetail | None) -> None:
         """Take the newest detail of this rank (drawn now if mounted, else on mount)."""

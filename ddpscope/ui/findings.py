@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from rich.console import Group, RenderableType
+from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
+from textual.geometry import Size
+from textual.strip import Strip
+from textual.widget import Widget
 from textual.widgets import Static
 
 from ddpscope.analysis.evidence import EvidenceBlock, EvidenceTable, paired
@@ -92,6 +96,58 @@ def evidence_block(block: EvidenceBlock, active: bool = True) -> RenderableType:
     return table
 
 
+class CardLines(Widget):
+    """The finding cards, laid out by Rich once per change of cards, width or style.
+
+    A Static holding the cards lays their evidence tables out again whenever it
+    is measured or repainted (a focus change, a layout pass): at 4,096 ranks
+    that was ~25 ms a time, several times per key. These lines are kept until
+    the cards change, for each width and style they were drawn at: a panel
+    that gains a scrollbar is laid out at two widths, each once.
+    """
+
+    DEFAULT_CSS = """
+    CardLines { width: 1fr; height: auto; }
+    """
+
+    #: Widths (and styles) kept at once; more only come from resizing the terminal.
+    KEEP = 4
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self._renderable: RenderableType = ""
+        self._laid_out: dict[tuple[int, object], list[Strip]] = {}
+
+    def update(self, renderable: RenderableType) -> None:
+        self._renderable = renderable
+        self._laid_out.clear()
+        self.refresh(layout=True)
+
+    def _lay_out(self, width: int) -> list[Strip]:
+        style = self.visual_style.rich_style
+        strips = self._laid_out.get((width, style))
+        if strips is None:
+            console = self.app.console
+            options = self.app.console_options.update(highlight=False, width=width)
+            segments = console.render(self.post_render(self._renderable, style), options)
+            lines = Segment.split_and_crop_lines(
+                segments, width, include_new_lines=False, pad=False
+            )
+            strips = [Strip(line) for line in lines]
+            if len(self._laid_out) >= self.KEEP:
+                self._laid_out.clear()
+            self._laid_out[(width, style)] = strips
+        return strips
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self._lay_out(width))
+
+    def render_line(self, y: int) -> Strip:
+        width = self.size.width
+        strips = self._lay_out(width)
+        return strips[y] if y < len(strips) else Strip.blank(width, self.visual_style.rich_style)
+
+
 class FindingsPanel(VerticalScroll, can_focus=True):
     """Full cards, or one line per finding when squeezed under the ranks in a narrow terminal."""
 
@@ -107,10 +163,16 @@ class FindingsPanel(VerticalScroll, can_focus=True):
         self.compact = False
         self._drawn: tuple[int, bool] | None = None
         self._version = -1
+        #: The book's version the cards were made for: showing them again after
+        #: the compact lines (a view switch) lays nothing out again.
+        self._cards_version: int | None = None
+        # One line per finding (compact) as text; full cards as lines laid out once.
         self._body = Static(id="findings-body")
+        self._cards = CardLines(id="findings-cards")
 
     def compose(self) -> ComposeResult:
         yield self._body
+        yield self._cards
 
     def on_mount(self) -> None:
         self._draw()
@@ -136,14 +198,18 @@ class FindingsPanel(VerticalScroll, can_focus=True):
         self.border_title = f"Findings: {active} active" + (
             f", {len(findings) - active} resolved" if len(findings) > active else ""
         )
+        cards = bool(findings) and not compact
+        self._body.display = not cards
+        self._cards.display = cards
         if not findings:
             self._body.update(Text("No findings: nothing wrong seen so far.", style="dim"))
         elif compact:
             lines = [compact_line(f) for f in findings]
             lines.append(Text("4: evidence and what to do", style="dim"))
             self._body.update(Text("\n").join(lines))
-        else:
-            self._body.update(Group(*(card(f) for f in findings)))
+        elif self._cards_version != self._version:
+            self._cards_version = self._version
+            self._cards.update(Group(*(card(f) for f in findings)))
 
     @property
     def text(self) -> str:

@@ -11,6 +11,7 @@ waits shaded in warm ones, so the two read apart without the legend.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from rich.segment import Segment
 from rich.style import Style
@@ -65,7 +66,7 @@ class PhaseBars(RowsView[RankRow]):
 
     def set_rows(self, rows: Sequence[RankRow], key: object = None) -> None:
         if key is None or key != self._scale_key:
-            self.scale_ms = max((r.step_ms for r in rows), default=0.0)
+            self.scale_ms = max(map(attrgetter("step_ms"), rows), default=0.0)
             self._scale_key = key
         super().set_rows(rows, key)
 

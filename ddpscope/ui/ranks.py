@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from rich.segment import Segment
@@ -20,61 +21,61 @@ class Column:
     label: str
     width: int
     text: Callable[[RankRow], str]
-    sort: Callable[[RankRow], Any]
+    #: The RankRow fields a sort by this column compares, in order; none for the
+    #: status, whose order is problem-first itself. Compared in C (attrgetter):
+    #: 4,096 rows sort in about a third of the time a lambda key takes.
+    fields: tuple[str, ...]
     right: bool = True
     #: Biggest first when sorted by this column (slowest step, oldest heartbeat...).
     descending: bool = True
     #: Shown only while some rank has a value above 0 (waits most runs never have:
     #: 80 columns cannot spare the room for two columns of zeros).
     optional: bool = False
+    sort: Callable[[RankRow], Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "sort", attrgetter(*self.fields) if self.fields else _problem_first
+        )
 
 
 def _problem_first(row: RankRow) -> Any:
     return (-row.level, row.rank)
 
 
+def _ms(name: str, width: int = 5) -> Callable[[RankRow], str]:
+    get = attrgetter(name)
+    return lambda r: fmt.ms(get(r), width)
+
+
 COLUMNS: tuple[Column, ...] = (
-    Column("rank", "rank", 5, lambda r: str(r.rank), lambda r: r.rank, descending=False),
-    Column(
-        "status", "status", 10, lambda r: r.status, _problem_first, right=False, descending=False
-    ),
-    Column("step", "step", 7, lambda r: str(r.step), lambda r: r.step, descending=False),
-    Column("epoch", "ep", 3, lambda r: "-" if r.epoch < 0 else str(r.epoch), lambda r: r.epoch),
-    Column("step_ms", "step ms", 7, lambda r: fmt.ms(r.step_ms, 7), lambda r: r.step_ms),
+    Column("rank", "rank", 5, lambda r: str(r.rank), ("rank",), descending=False),
+    Column("status", "status", 10, lambda r: r.status, (), right=False, descending=False),
+    Column("step", "step", 7, lambda r: str(r.step), ("step",), descending=False),
+    Column("epoch", "ep", 3, lambda r: "-" if r.epoch < 0 else str(r.epoch), ("epoch",)),
+    Column("step_ms", "step ms", 7, _ms("step_ms", 7), ("step_ms",)),
     # The split of the step, adding up to it: the three collective waits, then own work.
-    Column("wait_ms", "ar wt", 6, lambda r: fmt.ms(r.wait_ms), lambda r: r.wait_ms),
-    Column(
-        "sync_ms", "sync", 5, lambda r: fmt.ms(r.sync_ms, 5), lambda r: r.sync_ms, optional=True
-    ),
-    Column(
-        "coll_ms", "coll", 5, lambda r: fmt.ms(r.coll_ms, 5), lambda r: r.coll_ms, optional=True
-    ),
-    Column("data_ms", "data", 5, lambda r: fmt.ms(r.data_ms, 5), lambda r: r.data_ms),
-    Column("forward_ms", "fwd", 5, lambda r: fmt.ms(r.forward_ms, 5), lambda r: r.forward_ms),
-    Column("backward_ms", "bwd", 5, lambda r: fmt.ms(r.backward_ms, 5), lambda r: r.backward_ms),
-    Column("optimizer_ms", "opt", 5, lambda r: fmt.ms(r.optimizer_ms, 5), lambda r: r.optimizer_ms),
-    Column("other_ms", "other", 5, lambda r: fmt.ms(r.other_ms, 5), lambda r: r.other_ms),
-    Column("cpu", "cpu%", 4, lambda r: fmt.pct(r.cpu_pct), lambda r: r.cpu_pct),
-    Column("rss", "rss", 6, lambda r: fmt.nbytes(r.rss_bytes), lambda r: r.rss_bytes),
-    Column("hb", "hb", 5, lambda r: fmt.age(r.hb_age_s), lambda r: r.hb_age_s),
+    Column("wait_ms", "ar wt", 6, lambda r: fmt.ms(r.wait_ms), ("wait_ms",)),
+    Column("sync_ms", "sync", 5, _ms("sync_ms"), ("sync_ms",), optional=True),
+    Column("coll_ms", "coll", 5, _ms("coll_ms"), ("coll_ms",), optional=True),
+    Column("data_ms", "data", 5, _ms("data_ms"), ("data_ms",)),
+    Column("forward_ms", "fwd", 5, _ms("forward_ms"), ("forward_ms",)),
+    Column("backward_ms", "bwd", 5, _ms("backward_ms"), ("backward_ms",)),
+    Column("optimizer_ms", "opt", 5, _ms("optimizer_ms"), ("optimizer_ms",)),
+    Column("other_ms", "other", 5, _ms("other_ms"), ("other_ms",)),
+    Column("cpu", "cpu%", 4, lambda r: fmt.pct(r.cpu_pct), ("cpu_pct",)),
+    Column("rss", "rss", 6, lambda r: fmt.nbytes(r.rss_bytes), ("rss_bytes",)),
+    Column("hb", "hb", 5, lambda r: fmt.age(r.hb_age_s), ("hb_age_s",)),
     Column(
         "phase",
         "phase",
         20,
         lambda r: r.activity or r.phase,
-        lambda r: (r.phase, r.rank),
+        ("phase", "rank"),
         right=False,
         descending=False,
     ),
-    Column(
-        "host",
-        "host",
-        16,
-        lambda r: r.host,
-        lambda r: (r.host, r.rank),
-        right=False,
-        descending=False,
-    ),
+    Column("host", "host", 16, lambda r: r.host, ("host", "rank"), right=False, descending=False),
 )
 COLUMN_KEYS = tuple(c.key for c in COLUMNS)
 _BY_KEY = {c.key: c for c in COLUMNS}
@@ -83,9 +84,16 @@ _BY_KEY = {c.key: c for c in COLUMNS}
 def shown_columns(rows: Sequence[RankRow]) -> tuple[Column, ...]:
     """The columns worth showing for these rows: optional ones only where some rank
     has a value (one pass over the rows per snapshot, not per drawn line)."""
-    optional = [c for c in COLUMNS if c.optional]
-    used = {c.key for c in optional if any(c.sort(r) > 0 for r in rows)}
+    used = {c.key for c in COLUMNS if c.optional and rows and max(map(c.sort, rows)) > 0}
     return tuple(c for c in COLUMNS if not c.optional or c.key in used)
+
+
+def problem_first(rows: Sequence[RankRow]) -> list[RankRow]:
+    """Rows by level, worst first, then by rank: two sorts on a field each (in C)."""
+    out = sorted(rows, key=attrgetter("rank"))
+    # A stable sort keeps rank order within a level, reversed or not.
+    out.sort(key=attrgetter("level"), reverse=True)
+    return out
 
 
 def order_rows(rows: Sequence[RankRow], column: str, reverse: bool) -> list[RankRow]:
@@ -94,7 +102,9 @@ def order_rows(rows: Sequence[RankRow], column: str, reverse: bool) -> list[Rank
     Ties fall back to problem-first then rank order, so equal values never shuffle.
     """
     col = _BY_KEY[column]
-    tie = sorted(rows, key=_problem_first)
+    tie = problem_first(rows)
+    if col.key == "status":  # its order is the tie order: ranks are unique
+        return tie[::-1] if reverse else tie
     return sorted(tie, key=col.sort, reverse=col.descending != reverse)
 
 

@@ -151,8 +151,8 @@ class ReplayApp(WatchApp):
         super()._apply()
         self.bar.show(self.feed.status)
 
-    def _pull(self, detail_rank: int | None = None) -> None:
-        super()._pull(detail_rank)
+    def _pull(self, detail_rank: int | None = None, *, if_more: bool = False) -> None:
+        super()._pull(detail_rank, if_more=if_more)
         self.bar.show(self.feed.status)
 
     def _help_screen(self) -> HelpScreen:

@@ -96,6 +96,10 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self.rows: tuple[RowT, ...] = ()
+        #: What the last set_rows was handed, and its key: handed them again (a key
+        #: that changed nothing here), the view keeps its drawn lines.
+        self._given: object = None
+        self._given_key: object = None
         self._index: dict[int, int] = {}
         self.cursor_rank: int | None = None
         # Until the user picks a rank, the cursor stays on the first row: the
@@ -130,7 +134,11 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
         ``key`` names the set of rows, whatever their order (the snapshot and the
         filter): views that sum up every row (a scale, the columns in use) skip
         that while it is unchanged, so a re-sort costs a sort. None: always sum.
+        The very same sequence with the same key changes nothing and draws nothing.
         """
+        if key is not None and rows is self._given and key == self._given_key:
+            return
+        self._given, self._given_key = rows, key
         self.rows = tuple(rows)
         self._index = {row.rank: i for i, row in enumerate(self.rows)}
         self._lines.clear()
@@ -164,10 +172,18 @@ class RowsView(ScrollView, Generic[RowT], can_focus=True):
         return style
 
     def notify_style_update(self) -> None:
-        # Focus, theme or CSS changed: styles and the lines drawn with them are stale.
+        # Focus, theme or CSS changed: the styles are stale, and so are the lines
+        # drawn with them unless only the cursor's changed (focus does just that, and
+        # the cursor is laid on at draw time): then a view switch redraws no line.
         super().notify_style_update()
-        self._styles.clear()
-        self._lines.clear()
+        old, self._styles = self._styles, {}
+        if any(
+            self._resolve(name) != style for name, style in old.items() if name != "rows--cursor"
+        ):
+            self._lines.clear()
+
+    def _resolve(self, name: str) -> Style:
+        return self.base_style if name == "" else self.style(name)
 
     def level_style(self, level: int) -> Style:
         return self.style(LEVEL_CLASS.get(level, "rows--ok"))

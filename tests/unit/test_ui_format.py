@@ -66,6 +66,36 @@ def test_every_column_can_sort() -> None:
         assert sorted(r.rank for r in order_rows(rows, column.key, False)) == list(range(5))
 
 
+def test_every_column_sorts_as_defined_with_ties_problem_first_then_by_rank() -> None:
+    import random
+    from dataclasses import replace
+
+    # Few distinct values, so most rows tie; given in no particular order.
+    rng = random.Random(7)
+    rows = [
+        replace(
+            _row(r, level=rng.choice((OK, OK, WARNING, ERROR)), step_ms=rng.choice((90.0, 120.0))),
+            host=rng.choice(("a", "b")),
+            phase=rng.choice(("data", "forward")),
+            epoch=rng.choice((-1, 0)),
+            wait_ms=rng.choice((0.0, 5.0)),
+        )
+        for r in rng.sample(range(200), 200)
+    ]
+    value = {
+        "status": lambda r: (-r.level, r.rank),
+        "phase": lambda r: (r.phase, r.rank),
+        "host": lambda r: (r.host, r.rank),
+    }
+    for column in COLUMNS:
+        for reverse in (False, True):
+            key = value.get(column.key, lambda r, c=column: getattr(r, c.fields[0]))
+            tie = sorted(rows, key=lambda r: (-r.level, r.rank))
+            want = sorted(tie, key=key, reverse=column.descending != reverse)
+            got = order_rows(rows, column.key, reverse)
+            assert [r.rank for r in got] == [r.rank for r in want], (column.key, reverse)
+
+
 def test_the_health_line_names_the_commonest_rejection_reasons() -> None:
     from ddpscope.analysis.snapshot import Health
     from ddpscope.ui.header import health_line
