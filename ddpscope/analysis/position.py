@@ -82,7 +82,7 @@ class Where:
     def doing(self) -> str:
         if self.phase == "allreduce":
             if self.bucket < 0:  # buckets not timed on this rank: DDP's own C++ path
-                return "waiting in the gradient all-reduce"
+                return "waiting in all-reduce"
             return f"waiting in all-reduce (bucket {self.bucket})"
         if self.phase == "join":
             return "waiting in Join (shadowing all-reduces)"

@@ -35,6 +35,9 @@ from ddpscope.hooks import bucket_cost, collectives, comm, compiled, recipe, run
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
+
+# _inert stays importable from here: models pickled before the move name it so.
+from ddpscope.hooks.modulehook import _inert, _ModuleHook  # noqa: F401
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.samplers import SamplerProbe
 from ddpscope.hooks.steps import StepTracker
@@ -466,45 +469,6 @@ class Handle:
         for h in self._hooks:
             h.remove()
         self.tracker.enabled = False
-
-
-_is_compiling = torch.compiler.is_compiling
-
-
-def _noop_hook(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-def _inert() -> Callable[..., None]:
-    return _noop_hook
-
-
-class _ModuleHook:
-    """A hook ddpscope put on the user's model. Errors disable ddpscope, never training.
-
-    ``torch.save(ddp_model)`` pickles the module with its hook dicts: the hook
-    pickles as a no-op, so saving works and the copy carries no live probe.
-    """
-
-    __slots__ = ("fn", "on_error")
-
-    def __init__(self, fn: Callable[..., Any], on_error: Callable[[BaseException], None]):
-        self.fn = fn
-        self.on_error = on_error
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            # Traced by dynamo (torch.compile(ddp_model)): leave no trace in
-            # the graph. The compiled module's own hooks do the timing.
-            return None
-        try:
-            return self.fn(*args, **kwargs)
-        except Exception as exc:
-            self.on_error(exc)
-            return None
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_inert, ())
 
 
 class InertHandle:

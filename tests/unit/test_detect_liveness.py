@@ -751,4 +751,4 @@ def test_a_rank_waiting_in_an_untimed_all_reduce_is_described_without_a_bucket()
     untimed = Where(rank=1, phase="allreduce", step=3, bucket=-1, in_phase_s=11.0, heard_s=0.5)
     assert timed.describe() == "waiting in all-reduce (bucket 4) at step 3 for 11.0 s"
     # DDP's C++ path (no comm hook): the heartbeat's bucket is -1, never shown.
-    assert untimed.describe() == "waiting in the gradient all-reduce at step 3 for 11.0 s"
+    assert untimed.describe() == "waiting in all-reduce at step 3 for 11.0 s"
