@@ -22,6 +22,10 @@ from ddpscope.ui.rows import RowsView, cell
 RAMP = ("#4e4e4e", "#2e7d32", "#9e9d24", "#f9a825", "#ef6c00", "#e53935")
 #: Waits below this share of the worst one are drawn as "none".
 FLOOR = 0.05
+#: Steps came but none timed its buckets: ranks keep DDP's C++ path unless a
+#: comm hook is cheap for their model (docs/watch.md, "3 Buckets").
+UNTIMED = "no bucket timings: timed only where cheap (DDPSCOPE_BUCKET_EVERY=1 forces)"
+NO_STEP = "no complete step yet"
 
 
 class BucketView(RowsView[RankRow]):
@@ -55,8 +59,13 @@ class BucketView(RowsView[RankRow]):
 
     def region_width(self) -> int:
         """Cells of the heat map, at least enough for the header's title."""
-        n = len(self.matrix.buckets) if self.matrix else 0
-        return max(n * self.cell_width(), 40)
+        if self.matrix is None:
+            return max(len(self._missing()), 40)
+        return max(len(self.matrix.buckets) * self.cell_width(), 40)
+
+    def _missing(self) -> str:
+        """Why there is no matrix: no step yet, or steps without bucket timings."""
+        return UNTIMED if any(row.step > 0 for row in self.rows) else NO_STEP
 
     def content_width(self) -> int:
         return max(self.view_width, self.RANK_W + 1 + self.region_width() + 1 + self.MAX_W + 1)
@@ -64,7 +73,8 @@ class BucketView(RowsView[RankRow]):
     def header_segments(self) -> list[Segment]:
         style = self.style("rows--header")
         if self.matrix is None:
-            return [cell("rank", self.RANK_W, style, True), cell("no complete step yet", 40, style)]
+            text = self._missing()
+            return [cell("rank", self.RANK_W, style, True), cell(text, self.region_width(), style)]
         width = self.region_width()
         steps = self.matrix.steps
         span = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -7,14 +7,14 @@ and the next pull shows them. Over real ZeroMQ: tests/e2e/test_ui_sockets.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
 
 from ddpscope.analysis.detectors.straggler import StragglerDetector
-from ddpscope.schema import Message
+from ddpscope.schema import Message, Step
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
@@ -192,6 +192,31 @@ def test_bucket_view_shows_the_waiting_ranks_and_spares_the_slow_one(rig: Rig) -
         assert "steps 7-11" in lines(buckets)[0]
 
     drive(app, scenario)
+
+
+def test_bucket_view_says_when_steps_came_without_bucket_timings() -> None:
+    run = SyntheticRun(world=4, buckets=8)
+    rig = _rig(run)
+    app = app_for(rig)
+    # What ranks on DDP's C++ path send: no bucket arrays, b_every 0.
+    untimed = [
+        replace(m, b_detail=False, b_every=0, b_index=[], b_nbytes=[], b_offset_ns=[], b_dur_ns=[])
+        if isinstance(m, Step)
+        else m
+        for m in run.steps(0, 12)
+    ]
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        await pilot.press("3")
+        buckets = app.query_one(BucketView)
+        rig.send(run.opening())
+        await until(pilot, lambda: "no complete step yet" in lines(buckets)[0])
+        rig.send(untimed)
+        await until(pilot, lambda: len(buckets.rows) == 4 and buckets.rows[0].step > 0)
+        assert buckets.matrix is None
+        assert "DDPSCOPE_BUCKET_EVERY=1" in "".join(lines(buckets))
+
+    drive(app, scenario, size=(120, 30))
 
 
 # --- findings ------------------------------------------------------------------------------
