@@ -1,8 +1,9 @@
 """Decoding telemetry in worker processes, for a watcher whose one core is full.
 
 At thousands of ranks the typed decoder is most of the watcher's ingest cost
-(a 32-bucket step: 30-90 us to decode and check, against ~15 us for the run
-model and every detector), and one Python thread cannot go faster than one
+(a 32-bucket step: ~11 us to unpack and check with the generated decoders,
+docs/benchmarks.md "Publisher and decoder", against ~15-25 us for the run model and every
+detector at 4,096 ranks), and one Python thread cannot go faster than one
 core. A pool moves that work to ``workers`` processes: the ingest thread
 hands them raw messages in batches (as they came off the socket) and gets
 back the decoded messages, already checked, as one ``marshal`` blob per
