@@ -271,3 +271,39 @@ def test_a_step_closes_at_its_optimizer_when_a_freed_optimizer_had_the_same_addr
     watched(x).sum().backward()
     mine.step()
     assert handle.step == 1  # closed by its own optimizer, not at the next forward
+
+
+class _Box:
+    """A forward output ddpscope cannot look into (no tensor, dict, list or dataclass)."""
+
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _Boxed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> _Box:
+        return _Box(self.net(x))
+
+
+def test_an_output_with_no_visible_tensor_gets_the_comm_hook_to_find_backward(
+    rank: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = DDP(_Boxed(), bucket_cap_mb=ONE_LAYER_MB)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(6):
+        model(torch.randn(4, 16)).value.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.close()
+    # Registered in the first forward, before its backward: the first bucket
+    # marks backward's start, so every step still splits into its phases.
+    assert handle.comm is not None
+    got = _recorded_steps(rank / "rec")
+    assert [s.step for s in got] == list(range(6))
+    assert all(s.backward_ns > 0 and s.optimizer_ns > 0 for s in got)
