@@ -52,6 +52,10 @@ def _scrape_until(server: MetricsServer, ready: Callable[[Samples], bool]) -> Sa
         time.sleep(0.2)
 
 
+def _received(samples: Samples) -> float | None:
+    return samples.get(("ddpscope_messages_received_total", ()))
+
+
 def _rank(run: SyntheticRun, r: int) -> tuple[tuple[str, str], ...]:
     return (("host", run.host(r)), ("rank", str(r)), ("run", run.run_id))
 
@@ -78,9 +82,14 @@ def test_a_scrape_of_the_watcher_has_per_rank_waits_drops_and_the_active_straggl
         wire.wait_subscribed()
         wire.send(sent)
         wait_received(feed, len(sent))
+        # A frame is taken once a second: the one that shows the straggler may
+        # predate the last messages, so wait for one taken after all of them.
         got = _scrape_until(
             server,
-            lambda s: ("ddpscope_rank_findings_active", (("rank", "3"), ("run", run.run_id))) in s,
+            lambda s: (
+                ("ddpscope_rank_findings_active", (("rank", "3"), ("run", run.run_id))) in s
+                and _received(s) == len(sent)
+            ),
         )
     for r in range(4):
         assert got[("ddpscope_step_seconds", _rank(run, r))] == pytest.approx(0.160)
@@ -118,7 +127,12 @@ def test_a_relay_serves_its_node_ranks_figures_and_no_findings(tmp_path, endpoin
     with Subscriber(endpoint), Relay(listen, endpoint, metrics=server), Wire(listen) as wire:
         wire.wait_subscribed()  # the relay subscribes to everything itself
         wire.send(sent)
-        got = _scrape_until(server, lambda s: s.get(("ddpscope_steps_total", _rank(run, 3))) == 20)
+        got = _scrape_until(
+            server,
+            lambda s: (
+                s.get(("ddpscope_steps_total", _rank(run, 3))) == 20 and _received(s) == len(sent)
+            ),
+        )
     assert got[("ddpscope_step_seconds", _rank(run, 0))] == pytest.approx(0.140)
     assert got[("ddpscope_wait_seconds", _rank(run, 0))] == pytest.approx(0.040)
     assert got[("ddpscope_wait_seconds", _rank(run, 2))] == 0
