@@ -381,25 +381,27 @@ class StepTracker:
             mapped = [
                 self.param_index.get(id(params[i]), -1) if i < len(params) else -1 for i in members
             ]
-            dtype = str(params[members[0]].dtype) if members and members[0] < len(params) else ""
-            dtype = dtype.replace("torch.", "") or (
-                str(params[0].dtype).replace("torch.", "") if params else "float32"
-            )
-            if self._layout.get(index) != size or self._layout_params.get(index) != mapped:
-                self._layout[index] = size
-                self._layout_params[index] = mapped
-                self._layout_dtype[index] = dtype
-                self._layout_dirty = True
-        for gone in [i for i in self._layout if i >= len(nbytes)]:
-            del self._layout[gone], self._layout_params[gone], self._layout_dtype[gone]
-            self._layout_dirty = True
+            first = members[0] if members and members[0] < len(params) else 0
+            owner = params[first] if params else None
+            dtype = str(owner.dtype).replace("torch.", "") if owner is not None else "float32"
+            self._set_bucket(index, size, mapped, dtype)
+        self._forget_buckets(range(len(nbytes)))
 
     def _map_bucket(self, bucket: Any, index: int, nbytes: int, dtype: str) -> None:
         params = [self.param_index.get(id(p), -1) for p in bucket.parameters()]
+        self._set_bucket(index, nbytes, params, dtype)
+
+    def _set_bucket(self, index: int, nbytes: int, params: list[int], dtype: str) -> None:
         if self._layout.get(index) != nbytes or self._layout_params.get(index) != params:
             self._layout[index] = nbytes
             self._layout_params[index] = params
             self._layout_dtype[index] = dtype
+            self._layout_dirty = True
+
+    def _forget_buckets(self, kept: Any) -> None:
+        """A rebuild left fewer buckets: forget the indices not in ``kept``."""
+        for gone in [i for i in self._layout if i not in kept]:
+            del self._layout[gone], self._layout_params[gone], self._layout_dtype[gone]
             self._layout_dirty = True
 
     # --- other collectives (called by hooks/collectives.py) ------------------
@@ -512,11 +514,7 @@ class StepTracker:
                 if self.step == 0:
                     log.debug("ddpscope: no bucket layout from DDP: %r", exc)
         if self._b_index and len(self._b_index) != len(self._layout):
-            seen = set(self._b_index)
-            for gone in [i for i in self._layout if i not in seen]:
-                # A rebuild left fewer buckets: forget the old indices.
-                del self._layout[gone], self._layout_params[gone], self._layout_dtype[gone]
-                self._layout_dirty = True
+            self._forget_buckets(set(self._b_index))
         if self._layout_dirty:
             self._post_layout()
         every = self.bucket_every if self.fixed_every is None else self.fixed_every
