@@ -275,7 +275,8 @@ class Handle:
         if self.comm is not None:  # the user registered a Python hook before attach
             self.comm.tracker = self.tracker
             self.tracker.hooked_now()
-        elif opts.bucket_every > 0:
+        elif opts.bucket_every > 0 or getattr(model, "_comm_hooks", None):
+            # A hook registered before ddpscope could wrap it: wrap() says so.
             self._hook_buckets()
         if compiled.compiled_in_place(model):
             # ddp_model.compile() ran before attach: wrap what it made, as if we had seen it.

@@ -307,3 +307,18 @@ def test_an_output_with_no_visible_tensor_gets_the_comm_hook_to_find_backward(
     got = _recorded_steps(rank / "rec")
     assert [s.step for s in got] == list(range(6))
     assert all(s.backward_ns > 0 and s.optimizer_ns > 0 for s in got)
+
+
+def test_a_hook_registered_before_ddpscope_was_imported_is_kept_and_said_at_attach(
+    rank: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = _model(layers=2)
+    # What DDP's own method does when ddpscope's class shim is not there yet.
+    comm._original_register(model, None, default_hooks.allreduce_hook)
+    with caplog.at_level("WARNING", logger="ddpscope"):
+        handle = ddpscope.attach(model, record=str(rank / "rec"))
+    assert any("registered before ddpscope could wrap it" in r.message for r in caplog.records)
+    _train(model, 4)
+    handle.close()
+    assert handle.comm is None
+    assert [s.step for s in _recorded_steps(rank / "rec")] == list(range(4))
