@@ -86,6 +86,9 @@ BUCKET_BUDGET = 0.0025
 #: watcher's bucket view always has a detailed step among the newest 64).
 MAX_BUCKET_EVERY = 32
 
+#: Detailed steps whose hook cost the interval is chosen from (their median).
+_COST_SAMPLES = 5
+
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
@@ -144,7 +147,7 @@ class StepTracker:
         #: Training-thread ns spent in the comm hook on the current detailed
         #: step (written by comm.timed_hook), and its running estimate.
         self.detail_ns = 0
-        self._detail_cost = -1.0
+        self._detail_costs: list[int] = []
         self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
         self._opt_relevant: dict[int, tuple[bool, bool, weakref.ref[Any]]] = {}
         self.optimizers: dict[int, Any] = {}
@@ -157,6 +160,11 @@ class StepTracker:
         self._layout_step = 0
         self._recent: list[int] = []
         self._median = 0
+        # Bound once: autograd gets these on every step, and a bound method
+        # made per call is an allocation on the hot path.
+        self._on_backward = self._backward_begin
+        self._on_compute_end = self._after_compute
+        self._on_finalized = self._after_finalize
         self._new_step(None)
         self._prev_end: int | None = None
         self._eval_start = 0
@@ -209,7 +217,7 @@ class StepTracker:
             self.state.enter("eval")
             return
         t = self.stamp()
-        if any(e[0] == FORWARD for e in self._open):
+        if self._open and any(e[0] == FORWARD for e in self._open):
             # The last forward never returned (an exception the script caught, as
             # skip-the-batch-on-OOM loops do): forget it, or it would hold every
             # later forward as nested in it.
@@ -264,13 +272,13 @@ class StepTracker:
             if output.requires_grad:
                 node = output.grad_fn
                 if node is not None:
-                    node.register_prehook(self._backward_begin)
+                    node.register_prehook(self._on_backward)
                 else:  # a leaf: nothing computed it
-                    output.register_hook(self._backward_begin)
+                    output.register_hook(self._on_backward)
             return
         outs = _grad_outputs(output)
         if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, self._backward_begin, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(outs, self._on_backward, mode="any")
         elif not self.hooked and self.request_hook is not None:
             # Nothing to hang backward's start on: the first bucket marks it.
             request, self.request_hook = self.request_hook, None
@@ -286,13 +294,13 @@ class StepTracker:
         self._bwd_sync = self._fwd_sync
         self.cheap = not self.detail
         self.state.enter("backward")
-        _queue_callback(self._after_compute)
+        _queue_callback(self._on_compute_end)
 
     def _after_compute(self) -> None:
         # Runs when autograd's work is done, before DDP waits for the buckets.
         self._compute_end = self.stamp()
         self.state.enter("allreduce")
-        _queue_callback(self._after_finalize)
+        _queue_callback(self._on_finalized)
 
     def _after_finalize(self) -> None:
         # Queued from inside a final callback, so it runs after DDP's own.
@@ -430,7 +438,7 @@ class StepTracker:
 
     # --- optimizer (global hooks, any thread that steps) ---------------------
 
-    def _relevance(self, opt: Any) -> tuple[bool, bool]:
+    def _relevance(self, opt: Any) -> tuple[bool, bool, weakref.ref[Any]]:
         key = id(opt)
         known = self._opt_relevant.get(key)
         if known is None or known[2]() is not opt:
@@ -441,10 +449,15 @@ class StepTracker:
             self._opt_relevant[key] = known
             if known[0]:
                 self.optimizers[key] = opt
-        return known[0], known[1]
+        return known
 
     def optimizer_pre(self, opt: Any) -> None:
-        if not self.enabled or not self._relevance(opt)[0]:
+        if not self.enabled:
+            return
+        known = self._opt_relevant.get(id(opt))
+        if known is None or known[2]() is not opt:
+            known = self._relevance(opt)
+        if not known[0]:
             return
         if self._opt_start is None:
             t = self._opt_start = self.stamp()
@@ -460,7 +473,10 @@ class StepTracker:
     def optimizer_post(self, opt: Any) -> None:
         if not self.enabled or self._opt_start is None:
             return
-        relevant, covers_all = self._relevance(opt)
+        known = self._opt_relevant.get(id(opt))
+        if known is None or known[2]() is not opt:
+            known = self._relevance(opt)
+        relevant, covers_all = known[0], known[1]
         if not relevant:
             return
         t = self.stamp()
@@ -571,16 +587,18 @@ class StepTracker:
     def _adapt_bucket_every(self, cost_ns: int) -> None:
         """Space detailed steps so their hook time stays within BUCKET_BUDGET.
 
-        ``cost_ns`` is the training-thread time the comm hook took on a
-        detailed step. It includes the all-reduce launch every step pays, so
-        the interval errs long; a smoothed value keeps one slow step (a page
-        fault, a neighbour) from doubling it.
+        ``cost_ns`` is the wall time the comm hook took on a detailed step.
+        It includes the all-reduce launch every step pays, so the interval
+        errs long. The median of the last few keeps one slow step (a page
+        fault, the thread descheduled on a busy host) from moving it at all.
         """
         if self.step < _MAP_STEPS:
             return
-        est = self._detail_cost
-        est = float(cost_ns) if est < 0 else 0.75 * est + 0.25 * cost_ns
-        self._detail_cost = est
+        costs = self._detail_costs
+        costs.append(cost_ns)
+        if len(costs) > _COST_SAMPLES:
+            del costs[0]
+        est = sorted(costs)[len(costs) // 2]
         median = self.median_step_ns()
         if median <= 0:
             return

@@ -172,6 +172,21 @@ def test_bucket_detail_is_spaced_out_when_its_bookkeeping_is_a_large_share_of_th
     assert any(not s.b_detail for s in got)
 
 
+def test_one_slow_detailed_step_leaves_the_detail_interval_where_it_was(rank: Path) -> None:
+    model = _model(layers=2)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    _train(model, 10)
+    tracker = handle.tracker
+    tracker._median = 150_000_000  # 150 ms steps: the budget is 375 us of hook time
+    for cost in (30_000, 30_000, 30_000, 8_000_000, 30_000):  # one descheduled hook: 8 ms
+        tracker._adapt_bucket_every(cost)
+        assert tracker.bucket_every == 1
+    for cost in (8_000_000, 8_000_000):  # a cost that lasts does move it
+        tracker._adapt_bucket_every(cost)
+    assert tracker.bucket_every > 1
+    handle.close()
+
+
 def test_never_time_buckets_when_told_to(rank: Path) -> None:
     model = _model(layers=2)
     handle = ddpscope.attach(model, record=str(rank / "rec"), bucket_every=-1)
