@@ -48,6 +48,11 @@ log = logging.getLogger("ddpscope")
 _END_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 _LOCK = threading.Lock()
+#: Steps between hyperparameter checks once the first values are sent. Every
+#: rank checks at the same steps, which is all the comparison needs; a
+#: scheduler that moves the learning rate each step would otherwise cost a
+#: key, a message and a record entry per step.
+HPARAMS_EVERY = 8
 _HANDLES: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
 _PROCESS: _Process | None = None
 
@@ -143,12 +148,18 @@ class _Process:
             h.fingerprinter.request()
 
     def _optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        for h in self.handles:
-            h.guard(h.tracker.optimizer_pre, opt)
+        for h in self.handles:  # guard() inlined: this runs on every optimizer step
+            try:
+                h.tracker.optimizer_pre(opt)
+            except Exception as exc:
+                h.failed(exc)
 
     def _optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         for h in self.handles:
-            h.guard(h.tracker.optimizer_post, opt)
+            try:
+                h.tracker.optimizer_post(opt)
+            except Exception as exc:
+                h.failed(exc)
 
     def _install_sigterm(self) -> None:
         # torchrun SIGTERMs the surviving ranks when one fails, and passes on a
@@ -261,12 +272,7 @@ class Handle:
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
         self._hparams_step = 0
-        self._hooks = [
-            model.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
-            model.register_forward_hook(self._guarded(self.tracker.forward_post)),
-            # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
-            model.register_forward_pre_hook(self._guarded(watch.forward_pre), with_kwargs=True),
-        ]
+        self._hooks = self._register_forward_hooks(model)
         proc.recipe.guard(self._time_collectives, proc, model)
         comm.link(model, self.tracker)
         self.tracker.request_hook = self._hook_buckets
@@ -331,13 +337,7 @@ class Handle:
         self._compiled_wrapper = True
         for h in self._hooks:
             h.remove()
-        self._hooks = [
-            wrapper.register_forward_pre_hook(self._guarded(self.tracker.forward_pre)),
-            wrapper.register_forward_hook(self._guarded(self.tracker.forward_post)),
-            wrapper.register_forward_pre_hook(
-                self._guarded(self._watch.forward_pre), with_kwargs=True
-            ),
-        ]
+        self._hooks = self._register_forward_hooks(wrapper)
         self._info["compiled"] = "torch.compile(ddp_model)"
         self.publisher.post(RunInfo.KIND, self.index, self._run_info())
 
@@ -352,14 +352,12 @@ class Handle:
             h.remove()
         self._hooks = []
         model = self.model
-        pre = self._guarded(self.tracker.forward_pre)
+        pre = self._guarded(self._forward_pre)
         post = self._guarded(self.tracker.forward_post)
-        watch = self._guarded(self._watch.forward_pre)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if self.tracker.enabled:
-                pre(model, args)
-                watch(model, args, kwargs)
+                pre(model, args, kwargs)
             out = compiled_fn(*args, **kwargs)
             if self.tracker.enabled:
                 post(model, args, out)
@@ -371,6 +369,22 @@ class Handle:
             self.publisher.post(RunInfo.KIND, self.index, self._run_info())
         return call
 
+    def _register_forward_hooks(self, module: Any) -> list[Any]:
+        # One pre-hook for the tracker and the recipe probe: each hook the
+        # module calls costs a dispatch from C++ into Python on every forward.
+        return [
+            module.register_forward_pre_hook(self._guarded(self._forward_pre), with_kwargs=True),
+            module.register_forward_hook(self._guarded(self.tracker.forward_post)),
+        ]
+
+    def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
+        try:
+            self.tracker.forward_pre(module, args)
+        except Exception as exc:
+            self.tracker.fail(exc)
+        # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
+        self._watch.forward_pre(module, args, kwargs)
+
     def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
         return _ModuleHook(fn, self.tracker.fail)
 
@@ -378,10 +392,14 @@ class Handle:
         try:
             fn(*args)
         except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.tracker.fail(exc)
+            self.failed(exc)
             return False
         return True
+
+    def failed(self, exc: Exception) -> None:
+        """ddpscope's own code raised: say why and stop watching this model."""
+        self.error = f"{type(exc).__name__}: {exc}"
+        self.tracker.fail(exc)
 
     def _fingerprint(self, step: int, reason: str) -> None:
         if self.guard(self.fingerprinter.start, step, reason):
@@ -440,6 +458,13 @@ class Handle:
         ):
             self._decide_bucket_timing()
         self._proc.recipe.guard(self._proc.recipe.on_step_end, step)
+        if step % HPARAMS_EVERY == 0 or self._hparams_key is None:
+            self._check_hparams(step)
+        fp = self.fingerprinter
+        if fp.due(step, self.tracker.median_step_ns()):
+            self._fingerprint(step, fp.pending_reason)
+
+    def _check_hparams(self, step: int) -> None:
         opts = list(self.tracker.optimizers.values())
         key = hparams_key(opts)
         if opts and key != self._hparams_key:
@@ -448,9 +473,6 @@ class Handle:
             self._hparams_step = step
             fields = {"step": step, "optimizers": self._hparams}
             self.publisher.post(HParams.KIND, self.index, fields)
-        fp = self.fingerprinter
-        if fp.due(step, self.tracker.median_step_ns()):
-            self._fingerprint(step, fp.pending_reason)
 
     def _finish_fingerprint(self, _payload: Any, force: bool) -> dict[str, Any] | None:
         # Never wait here: on a GPU stuck behind a hung collective, waiting

@@ -549,6 +549,8 @@ class Fingerprinter:
         self.clock = clock
         #: Reason of the last ``due()`` that returned True.
         self.pending_reason = ""
+        #: No interval check is due before this step (nothing requested meanwhile).
+        self._quiet_until = 0
         #: Host ns the last start() took, and device ns of the last polled check.
         self.host_ns = 0
         self.device_ns = 0
@@ -602,8 +604,17 @@ class Fingerprinter:
 
     def due(self, step: int, median_step_ns: int) -> bool:
         """Whether to call ``start(step, self.pending_reason)`` now."""
+        if step < self._quiet_until and self._requested == self._served:
+            return False  # every step's fast path: two comparisons
         reason = self.next_reason(step, median_step_ns)
         if reason is None:
+            n = self.interval(median_step_ns)
+            if self.every == -1:
+                self._quiet_until = step + 8  # only a request starts one
+            elif n is not None and n > 1 and len(self._in_flight) < MAX_IN_FLIGHT:
+                # The next multiple of n, looked at again within 8 steps: the
+                # step median (and so n) moves at most every 8th step.
+                self._quiet_until = min(step - step % n + n, step + 8)
             return False
         self.pending_reason = reason
         return True

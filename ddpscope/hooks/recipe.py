@@ -279,6 +279,7 @@ class ModelWatch:
         # Only models that broadcast buffers in forward need the per-forward check.
         self._may_sync = False
         self._group = ""
+        self._training_key: CountKey = (DDP_BUFFERS, "", "", 0, TRAINING_FORWARDS)
         try:
             self._may_sync = (
                 callable(getattr(model, "will_sync_module_buffers", None))
@@ -287,6 +288,7 @@ class ModelWatch:
             )
             if self._may_sync:
                 self._group = probe.group_key(getattr(model, "process_group", None))
+                self._training_key = (DDP_BUFFERS, self._group, "", 0, TRAINING_FORWARDS)
         except Exception as exc:
             probe.disable(exc)
 
@@ -306,7 +308,7 @@ class ModelWatch:
                 # evaluation forward on some ranks only is the classic mismatch.
                 if training:
                     # Every rank's training loop makes these: no frame walk per step.
-                    probe.count((DDP_BUFFERS, self._group, "", 0, TRAINING_FORWARDS))
+                    probe.count(self._training_key)
                 else:
                     probe.count(count_key(DDP_BUFFERS, self._group, user_frame(sys._getframe(1))))
         except Exception as exc:
