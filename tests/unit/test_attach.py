@@ -165,3 +165,27 @@ def test_an_attached_ddp_model_can_still_be_pickled(fresh_process: Path) -> None
     copy = torch.load(buf, weights_only=False)
     assert getattr(copy, "_ddpscope_comm", None) is None  # the copy is not wrapped
     copy(torch.randn(4, 8))  # the inert hooks it carries do nothing
+
+
+def test_a_learning_rate_moved_every_step_is_sent_on_the_checked_steps_only(
+    tmp_path: Path,
+) -> None:
+    from ddpscope.schema import HParams
+
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(tmp_path / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+    for _ in range(20):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    handle.close()
+    sent = [m for m in open_run(str(tmp_path / "rec")).messages[0] if isinstance(m, HParams)]
+    # The first values at once, then every HPARAMS_EVERY-th step: each with the
+    # learning rate in force at that step.
+    assert [m.step for m in sent] == [1, 8, 16]
+    assert [m.optimizers[0]["groups"][0]["lr"] for m in sent] == pytest.approx(
+        [0.1 / 1, 0.1 / 8, 0.1 / 16]
+    )

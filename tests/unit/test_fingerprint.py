@@ -423,6 +423,36 @@ def test_automatic_interval_is_the_smallest_power_of_two_within_budget(
     assert n == 1 or n // 2 < math.ceil(cost / allowed)
 
 
+@settings(max_examples=100, deadline=None)
+@given(cost=st.integers(1, 10**8), median=st.integers(10**5, 10**9), steps=st.integers(1, 300))
+def test_between_checks_due_answers_as_asking_at_every_step_would(
+    cost: int, median: int, steps: int
+) -> None:
+    # The reference asks next_reason() at every step, as due() did before it
+    # learnt to skip the steps between two interval checks.
+    quick = Fingerprinter([torch.ones(2)], [], clock=fake_clock(cost))
+    asked = Fingerprinter([torch.ones(2)], [], clock=fake_clock(cost))
+    want = []
+    for s in range(steps):
+        reason = asked.next_reason(s, median)
+        if reason is not None:
+            want.append((s, reason))
+            asked.start(s, reason)
+            asked.poll()
+    assert due_steps(quick, range(steps), median) == want
+
+
+def test_a_shorter_interval_takes_effect_within_eight_steps() -> None:
+    # 2 ms per check: 0.5% of 25 ms steps is one check in 16, of 100 ms one in 4.
+    fp = Fingerprinter([torch.ones(2)], [], clock=fake_clock(2_000_000))
+    early = due_steps(fp, range(0, 20), median_ns=25_000_000)
+    assert early == [(0, "initial"), (16, "interval")]
+    later = due_steps(fp, range(20, 40), median_ns=100_000_000)
+    assert [s for s, _ in later] == [28, 32, 36]  # 24 falls in the quiet stretch after 17
+    fp.request()
+    assert fp.due(41, 100_000_000) and fp.pending_reason == "request"
+
+
 def test_device_time_counts_when_longer_than_host_time() -> None:
     fp = Fingerprinter([], [])
     fp.host_ns, fp.device_ns = 1_000, 4_000_000
