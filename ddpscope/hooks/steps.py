@@ -238,7 +238,8 @@ class StepTracker:
             self._opt_gap = None
         if self._open and self._open[-1][0] == OPTIMIZER:
             self._open[-1][2] = True
-        self._suspend(t)
+        if self._open:
+            self._suspend(t)
         self._open.append([FORWARD, t, False])
         self._fwd_start = t
         self._fwd_sync = bool(getattr(module, "require_backward_grad_sync", True))
@@ -260,7 +261,8 @@ class StepTracker:
         if top is not None and top[0] == FORWARD:
             if top[1] is not None:
                 self._iv.append((FORWARD, top[1], t))
-            self._resume(t, after_backward=False)
+            if self._open:
+                self._resume(t, after_backward=False)
         elif top is not None:
             self._open.append(top)  # not ours to close (should not happen)
         self._prev_end = t
@@ -290,7 +292,8 @@ class StepTracker:
         if not self.enabled or self._bwd_start is not None:
             return
         self._bwd_start = self.stamp()
-        self._suspend(self._bwd_start)
+        if self._open:
+            self._suspend(self._bwd_start)
         self._bwd_sync = self._fwd_sync
         self.cheap = not self.detail
         self.state.enter("backward")
@@ -314,7 +317,8 @@ class StepTracker:
         self._bwd += 1
         if self._bwd_sync:
             self._synced = True
-        self._resume(t, after_backward=True)
+        if self._open:
+            self._resume(t, after_backward=True)
         self.state.enter("idle")
 
     # --- buckets (called by the comm hook wrapper) ---------------------------
@@ -466,7 +470,8 @@ class StepTracker:
             self._opt_gap = None
             if not self._open and self._prev_end is not None:
                 self._opt_gap = (self._prev_end, t)
-            self._suspend(t)
+            if self._open:
+                self._suspend(t)
             self._open.append([OPTIMIZER, t, False])
             self.state.enter("optimizer")
 
@@ -487,7 +492,8 @@ class StepTracker:
                     self._iv.append((OPTIMIZER, entry[1], t))
                 del self._open[i:]  # a forward left open inside it is over too
                 break
-        self._resume(t, after_backward=False)
+        if self._open:
+            self._resume(t, after_backward=False)
         self._opt_start = None
         self._opt_gap = None
         self._opt += 1
@@ -497,6 +503,9 @@ class StepTracker:
             self._close(t)
 
     # --- nesting ---------------------------------------------------------------
+
+    # Callers test ``self._open`` first: nesting is rare, and a call is not free
+    # on a path that runs several times a step.
 
     def _suspend(self, t: int) -> None:
         """A nested phase starts at ``t``: book the running one's time so far."""
