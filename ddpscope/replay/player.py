@@ -371,32 +371,23 @@ class ReplayFeed(SnapshotHandoff):
                     j = bisect_left(positions, begin)
                     picks.extend((s.tmax[p], i, s, p) for p in positions[max(0, j - keep) : j])
             picks.extend((s.tmax[p], i, s, p) for p in range(begin, end))
-        taken = self._decoded(picks)
-        self._feed_fresh(taken)
-        older = self._bucket_steps_before_window(t)
-        if older:
-            self._feed_fresh(sorted(taken + self._decoded(older), key=lambda e: e[0]))
+        self.monitor = self._new_monitor()
+        self.clock.now = 0
+        self._take(picks)
+        # Older steps after newer ones: the run model files a late step in its
+        # place (state.py), and nothing shown depends on the order steps came in.
+        self._take(self._bucket_steps_before_window(t))
         self.clock.now = t
         self._fill_series(t)
 
-    def _decoded(
-        self, picks: list[tuple[int, int, Stream, int]]
-    ) -> list[tuple[tuple[int, int, int], Message]]:
-        """The records, in the order playing feeds them: by time, then file, then position."""
+    def _take(self, picks: list[tuple[int, int, Stream, int]]) -> None:
+        """Feed the records in the order playing does: by time, then file, then position."""
         picks.sort(key=lambda e: (e[0], e[1], e[3]))
-        out = []
-        for tm, i, s, pos in picks:
+        for tm, _, s, pos in picks:
             msg = self._read(s, pos)
             if msg is not None:
-                out.append(((tm, i, pos), msg))
-        return out
-
-    def _feed_fresh(self, taken: list[tuple[tuple[int, int, int], Message]]) -> None:
-        self.monitor = self._new_monitor()
-        self.clock.now = 0
-        for (tm, _, _), msg in taken:
-            self.clock.now = tm
-            self.monitor.take(msg)
+                self.clock.now = max(self.clock.now, tm)
+                self.monitor.take(msg)
 
     def _bucket_steps_before_window(self, t: int) -> list[tuple[int, int, Stream, int]]:
         """The step records before the window that the bucket view could still pick.
