@@ -20,6 +20,8 @@ from ddpscope.schema import Step
 
 #: Complete steps averaged for the bucket view.
 BUCKET_STEPS = 5
+#: How many of the newest step indices the view looks through for them.
+BUCKET_SCAN = 64
 
 
 @dataclass
@@ -35,7 +37,12 @@ def _recent_complete_steps(run: RunState, wanted: int) -> list[int]:
     reporting = sum(1 for v in run.ranks.values() if v.steps)
     if not reporting:
         return []
-    newest = sorted(run.by_step, reverse=True)[:64]
+    newest = sorted(run.by_step, reverse=True)[:BUCKET_SCAN]
+    if run.history is not None:
+        # Steps below the history's floor stay only until the next batch trim
+        # (state.py): what the view shows must not depend on when that was.
+        floor = run.newest_step - run.history
+        newest = [s for s in newest if s >= floor]
     complete = [s for s in newest if len(run.by_step[s]) >= reporting][:wanted]
     if complete:
         return complete
@@ -50,7 +57,7 @@ def bucket_matrix(run: RunState, memo: BucketMemo | None = None) -> BucketMatrix
     same (bucket detail is sampled: most snapshots find no newer timed step).
     """
     # Bucket timing is sampled: only steps every rank timed per bucket count.
-    recent = _recent_complete_steps(run, 64)
+    recent = _recent_complete_steps(run, BUCKET_SCAN)
     steps = [s for s in recent if all(st.b_detail for st in run.by_step[s].values())]
     steps = steps[:BUCKET_STEPS]
     if not steps:

@@ -8,8 +8,12 @@ T. Playing moves T forward and feeds the records it passes; any other move
 (back a step, to a step, to a finding) rebuilds the monitor from a short
 stretch before the target: the newest records of each rarely sent kind (run
 info, bucket layouts, sampler passes, fingerprints...) and the last
-``WINDOW_STEPS`` steps of every rank, which is all a screen shows. A seek
-therefore costs the same anywhere in a run of any length.
+``WINDOW_STEPS`` steps of every rank, which is all a screen shows but for
+the bucket view: it looks through the newest ``BUCKET_SCAN`` steps for five
+that every rank timed per bucket, and bucket timing is sampled (every 16th or
+32nd step, hooks/steps.py), so when the window holds fewer than five such
+steps the seek feeds every rank's steps back to the view's reach as well. A
+seek therefore costs the same anywhere in a run of any length.
 
 One thread owns the monitor and the files; the UI talks to it through a
 queue of commands and reads an immutable :class:`ReplayStatus`.
@@ -26,6 +30,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Any
 
+from ddpscope.analysis.bucketmatrix import BUCKET_SCAN, BUCKET_STEPS, bucket_matrix
 from ddpscope.analysis.handoff import SnapshotHandoff
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
@@ -353,11 +358,9 @@ class ReplayFeed(SnapshotHandoff):
 
     def _rebuild(self, t: int) -> None:
         """A fresh monitor holding what a screen at ``t`` shows (see the module docstring)."""
-        self.monitor = self._new_monitor()
-        self.clock.now = 0
-        picks: list[tuple[int, Stream, int]] = []
+        picks: list[tuple[int, int, Stream, int]] = []
         self._cursor = []
-        for s in self.index.streams:
+        for i, s in enumerate(self.index.streams):
             end = s.applied(t)
             self._cursor.append(end)
             first_step = bisect_left(s.step_pos, end) - WINDOW_STEPS
@@ -366,16 +369,49 @@ class ReplayFeed(SnapshotHandoff):
                 positions = s.by_kind.get(KIND_CODE[kind])
                 if positions:
                     j = bisect_left(positions, begin)
-                    picks.extend((s.tmax[p], s, p) for p in positions[max(0, j - keep) : j])
-            picks.extend((s.tmax[p], s, p) for p in range(begin, end))
-        picks.sort(key=lambda e: e[0])
-        for tm, s, pos in picks:
-            msg = self._read(s, pos)
-            if msg is not None:
-                self.clock.now = tm
-                self.monitor.take(msg)
+                    picks.extend((s.tmax[p], i, s, p) for p in positions[max(0, j - keep) : j])
+            picks.extend((s.tmax[p], i, s, p) for p in range(begin, end))
+        self.monitor = self._new_monitor()
+        self.clock.now = 0
+        self._take(picks)
+        # Older steps after newer ones: the run model files a late step in its
+        # place (state.py), and nothing shown depends on the order steps came in.
+        self._take(self._bucket_steps_before_window(t))
         self.clock.now = t
         self._fill_series(t)
+
+    def _take(self, picks: list[tuple[int, int, Stream, int]]) -> None:
+        """Feed the records in the order playing does: by time, then file, then position."""
+        picks.sort(key=lambda e: (e[0], e[1], e[3]))
+        for tm, _, s, pos in picks:
+            msg = self._read(s, pos)
+            if msg is not None:
+                self.clock.now = max(self.clock.now, tm)
+                self.monitor.take(msg)
+
+    def _bucket_steps_before_window(self, t: int) -> list[tuple[int, int, Stream, int]]:
+        """The step records before the window that the bucket view could still pick.
+
+        None when the window already gives it all its steps: they are the newest
+        there are, so older ones could not change it. Otherwise every rank's steps
+        back to the view's reach (its scan, or the history's floor where that is
+        nearer: bucketmatrix.py), so that it finds what playing to ``t`` found.
+        """
+        run = self.monitor.analysis.latest
+        if run is None:
+            return []
+        extras = self.monitor.extras.setdefault(run.run_id, RunExtras())
+        shown = bucket_matrix(run, extras.bucket_memo)
+        if shown is not None and len(shown.steps) >= BUCKET_STEPS:
+            return []
+        reach = BUCKET_SCAN if run.history is None else min(BUCKET_SCAN, run.history + 1)
+        picks: list[tuple[int, int, Stream, int]] = []
+        for i, s in enumerate(self.index.streams):
+            k = bisect_left(s.step_pos, s.applied(t))
+            for j in range(max(0, k - reach), k - WINDOW_STEPS):
+                p = s.step_pos[j]
+                picks.append((s.tmax[p], i, s, p))
+        return picks
 
     def _fill_series(self, t: int) -> None:
         """The sparklines' last SERIES_LEN steps per rank, from the index, not decoded."""

@@ -140,6 +140,37 @@ def test_seek_to_any_step_shows_what_playing_up_to_it_shows(straggler_recording:
         feed.stop()
 
 
+@pytest.mark.torchrun
+def test_seek_shows_the_bucket_steps_playing_shows_when_buckets_are_timed_every_16th_step(
+    tmp_path: Path,
+) -> None:
+    """Both ranks time their buckets every 16th step: a seek's last 32 steps hold two
+    such steps, and the bucket view (five of the newest 64) reaches further back."""
+    rec = tmp_path / "rec"
+    torchrun(
+        [str(DEMO), "--epochs", "4", "--slow-rank", "1", "--slow-ms", "20"],
+        env=job_env(
+            DDPSCOPE_RECORD=str(rec),
+            DDPSCOPE_ENDPOINT=f"ipc://{tmp_path}/s.sock",
+            DDPSCOPE_BUCKET_EVERY="16",
+        ),
+    )
+    feed = open_feed(rec)
+    try:
+        wait_indexed(feed)
+        for step in (62, 33, 50):
+            feed.seek_step(step)
+            status = feed.idle()
+            seen = feed.snapshot(ALL)
+            ref = played_through(feed, status.t).build(
+                ALL, feed_stats(), seen.findings, seen.findings_version
+            )
+            assert seen.buckets is not None and ref.buckets is not None
+            assert seen.buckets == ref.buckets, (step, seen.buckets.steps, ref.buckets.steps)
+    finally:
+        feed.stop()
+
+
 def feed_stats():  # type: ignore[no-untyped-def]
     from ddpscope.analysis.monitor import FeedStats
 

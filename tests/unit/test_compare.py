@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ import pytest
 from ddpscope.analysis import compare
 from ddpscope.cli.compare import METRIC_CHOICES
 from ddpscope.cli.main import main
+from ddpscope.record import reader
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import End, Message, Step, encode
 from tests.support.synth import (
@@ -52,6 +55,15 @@ def write_run(directory: Path, msgs: list[Message], run: str = "run", wall_ns: i
         for seq, m in enumerate(ms):
             w.append(encode(dataclasses.replace(m, run=run, seq=seq)))
         w.close()
+    return directory
+
+
+def writers_gone(directory: Path) -> Path:
+    """Files from another host unchanged for longer than the reader waits: their
+    writers are gone, and the recording is read to its end."""
+    old = time.time() - reader.STALE_S - 5
+    for f in directory.rglob("*.ddps"):
+        os.utime(f, (old, old))
     return directory
 
 
@@ -222,7 +234,7 @@ def test_the_spread_names_the_slow_rank_when_the_others_wait_in_the_buffer_broad
 
 def test_findings_only_in_b_are_listed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     a = str(write_run(tmp_path / "a", job(10.0, steps=30)))
-    b = str(write_run(tmp_path / "b", killed()))
+    b = str(writers_gone(write_run(tmp_path / "b", killed())))
     doc = as_json(a, b, capsys=capsys)
     assert "rank_exit" in doc["findings"]["only_b"]
     assert doc["findings"]["only_a"] == []

@@ -32,6 +32,7 @@ from tests.support.synth import (
     heartbeat,
     lockstep,
     run_infos,
+    sequenced,
     step_at,
 )
 
@@ -473,7 +474,7 @@ def test_no_hang_when_every_rank_is_in_its_own_code() -> None:
 # --- rank_exit -----------------------------------------------------------------
 
 
-def test_rank_killed_mid_run_post_mortem() -> None:
+def killed_then_peer_failed() -> list[Message]:
     """What a SIGKILLed rank leaves: no End; the other finishes a step, then fails."""
     msgs = run_steps(steps=3)
     t = end_of(msgs)
@@ -482,7 +483,11 @@ def test_rank_killed_mid_run_post_mortem() -> None:
         "ValueError: batch 17 has NaN labels", "RuntimeError: Connection reset"
     )
     msgs.append(end(0, 4, t + 60 * MS, "exception", gloo + "\nAt:\n  /x/comm.py(44): _done\n"))
-    analysis = analyze(msgs)
+    return msgs
+
+
+def test_rank_killed_mid_run_post_mortem() -> None:
+    analysis = finish(analyze(killed_then_peer_failed()))
     (f,) = kinds(analysis)["rank_exit"]
     assert f.severity == "error" and f.ranks == [1] and f.step == 3
     assert "without an end message" in f.message and "rank 0 then failed too" in f.message
@@ -490,6 +495,61 @@ def test_rank_killed_mid_run_post_mortem() -> None:
     assert f.evidence["others"]["0"]["error"] == "RuntimeError: Connection reset"
     assert "dmesg" in f.fix
     assert "hang" not in kinds(analysis)
+
+
+def test_a_killed_rank_is_named_live_once_silent_for_the_limit() -> None:
+    msgs = killed_then_peer_failed()
+    analysis = analyze(msgs)
+    # 55 ms after its last message rank 1's own end could still be on its way.
+    assert [f.ranks for f in kinds(analysis)["rank_exit"]] == [[0]]
+    analysis.tick(end_of(msgs) + 6 * S)
+    (f,) = kinds(analysis)["rank_exit"]
+    assert f.ranks == [1] and f.evidence["stopped"]["1"]["how"] == "vanished"
+    assert "rank 0 then failed too" in f.message
+
+
+def test_a_last_step_that_arrives_after_the_others_end_is_no_exit() -> None:
+    """Live, a healthy end: rank 0's last step and End reach the watcher, a tick
+    passes, then rank 1's last step and End arrive together (another relay, a
+    publisher tick behind). Rank 1 was one step short for that tick, never gone."""
+    msgs = run_steps(steps=47)
+    t = end_of(msgs)
+    tail = sequenced(
+        [
+            *msgs,
+            step_at(0, 47, t + 10 * MS),
+            end(0, 48, t + 12 * MS),
+            step_at(1, 47, t + 300 * MS),
+            end(1, 48, t + 302 * MS),
+        ]
+    )[-4:]
+    analysis = feed(Analysis(detectors(), history=2048), msgs, tick_every_ns=TICK)
+    for m in tail[:2]:
+        analysis.feed(m, m.t)
+    analysis.tick(t + 250 * MS)
+    for m in tail[2:]:
+        analysis.feed(m, m.t)
+    analysis.tick(t + 500 * MS)
+    assert kinds(finish(analysis)) == {}
+
+
+def test_a_rank_starved_past_the_limit_that_comes_back_to_end_is_downgraded() -> None:
+    """Rank 1's last step and End come 6 s after rank 0's: named once silent for the
+    limit, then its goodbye shows it was alive all along."""
+    msgs = run_steps(steps=47)
+    t = end_of(msgs)
+    msgs += [step_at(0, 47, t + 10 * MS), end(0, 48, t + 12 * MS)]
+    analysis = analyze(msgs)
+    analysis.tick(t + 6 * S)
+    (f,) = kinds(analysis)["rank_exit"]
+    assert f.active and f.ranks == [1] and "stopped at step 47" in f.message
+    for m in sequenced([*msgs, step_at(1, 47, t + 6 * S + MS), end(1, 48, t + 6 * S + 2 * MS)])[
+        -2:
+    ]:
+        analysis.feed(m, m.t)
+    analysis.tick(t + 6 * S + 250 * MS)
+    (f,) = kinds(finish(analysis))["rank_exit"]
+    assert not f.active and f.severity == "warning" and "spoke again" in f.message
 
 
 def killed_no_end() -> list[Message]:

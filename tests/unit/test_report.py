@@ -126,10 +126,20 @@ def cli(*argv: str, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
 # --- text ----------------------------------------------------------------------
 
 
+def writers_gone(run_dir: Path) -> Path:
+    """Files from another host unchanged for longer than the reader waits: their
+    writers are gone, so the recording is read to its end (rank 1's end message
+    cannot still be on its way)."""
+    old = time.time() - reader.STALE_S - 5
+    for f in run_dir.iterdir():
+        os.utime(f, (old, old))
+    return run_dir
+
+
 def test_text_has_header_table_and_findings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    write_run(tmp_path, killed())
+    writers_gone(write_run(tmp_path, killed()))
     code, out, err = cli(str(tmp_path), capsys=capsys)
     assert code == 0, err
     assert out.startswith("ddpscope report: run run-b\n")
@@ -258,7 +268,7 @@ def test_a_rank_blocked_in_a_collective_is_reported_by_the_collectives_name(
 
 
 def test_json_has_the_documented_fields(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write_run(tmp_path, killed())
+    writers_gone(write_run(tmp_path, killed()))
     code, out, _ = cli(str(tmp_path), "--json", capsys=capsys)
     assert code == 0
     doc = json.loads(out)

@@ -5,8 +5,10 @@ Judged on the analysis clock (``run.now_ns``) against what each rank last said
 
 A rank stopped, by an End with reason ``exit`` or ``exception``, or
 by vanishing (no End, silent for longer than max(5 s, 5 heartbeats) while
-another rank kept talking; or, post mortem, another rank ended after it having
-gone further or failed), while another rank went on: it completed more steps,
+another rank kept talking; or another rank ended after it having gone further
+or failed, once it has been silent that long or the stream is over: until then
+its own last step and End may still be on their way), while another rank went
+on: it completed more steps,
 waited in a collective after the exit, or failed after it (a consequence).
 Ranks that all raised an exception are reported too (not KeyboardInterrupt:
 a user's Ctrl-C). Once the stream is over (``finish``: every writer of a
@@ -110,7 +112,7 @@ class RankExitDetector:
     def tick(self, run: RunState, book: FindingBook) -> None:
         st = self._state(run)
         silence_ns = int(silence_limit_s(run) * NS)
-        stops = self._stops(run, silence_ns)
+        stops = self._stops(run, silence_ns, st.over)
         if st.over:
             stops.update(self._killed(run, stops))
         self._recover(run, book, st, stops)
@@ -147,8 +149,15 @@ class RankExitDetector:
         self._raise(run, book, st, subjects, stops, went_on)
 
     @staticmethod
-    def _stops(run: RunState, silence_ns: int) -> dict[int, _Stop]:
-        """Ranks whose process has ended, as far as the stream can tell."""
+    def _stops(run: RunState, silence_ns: int, over: bool) -> dict[int, _Stop]:
+        """Ranks whose process has ended, as far as the stream can tell.
+
+        Another rank's end message is no proof that one without it is gone
+        until the stream is over or that rank has been silent for the limit:
+        its last step and its own end can still be on their way (another
+        socket, another relay, a publisher tick behind), and once they arrive
+        nothing would take the finding back.
+        """
         views = run.ranks
         stops: dict[int, _Stop] = {}
         heard = sorted((v.last_rx_ns for v in views.values() if v.seq_count), reverse=True)
@@ -168,7 +177,8 @@ class RankExitDetector:
             others = heard[1:] if heard[0] == v.last_rx_ns else heard
             talked_on = bool(others) and others[0] - v.last_rx_ns > silence_ns
             # Post mortem: someone shut down after r, having gone further or failed.
-            outlived = any(
+            settled = over or run.now_ns - v.last_rx_ns > silence_ns
+            outlived = settled and any(
                 q.last_rx_ns > v.last_rx_ns and (raised or q.step_count > v.step_count)
                 for q, raised in enders
             )
@@ -251,12 +261,12 @@ class RankExitDetector:
     def _recover(
         self, run: RunState, book: FindingBook, st: _ExitRun, stops: dict[int, _Stop]
     ) -> None:
-        """A rank reported as vanished spoke again: it was starved, not gone."""
-        back = [
-            r
-            for r in st.silent_seen
-            if r not in stops and view_of(run, r).end is None and r in run.ranks
-        ]
+        """A rank reported as vanished spoke again: it was starved, not gone.
+
+        Its own end message counts: a rank starved past the limit may come
+        back only to finish its last step and say goodbye.
+        """
+        back = [r for r in st.silent_seen if r in run.ranks and _spoke_again(run, r, stops)]
         if not back:
             return
         st.silent_seen -= set(back)
@@ -327,8 +337,21 @@ class RankExitDetector:
             ),
         )
         # The subjects may have changed (an inference replaced by what the end of the
-        # stream showed): the level follows them, rather than the highest ever seen.
+        # stream showed, a raiser by the rank it lost): the level and the step follow
+        # them, rather than the highest level or the first step ever seen.
         book.set_severity(finding, severity)
+        step = min(s.step for s in subjects)
+        if finding.step != step:
+            finding.step = step
+            finding.epoch = epoch_of(run, ranks)
+            book.version += 1
+
+
+def _spoke_again(run: RunState, rank: int, stops: dict[int, _Stop]) -> bool:
+    stop = stops.get(rank)
+    if stop is None:
+        return view_of(run, rank).end is None
+    return stop.how != "vanished"
 
 
 def _stop_json(run: RunState, s: _Stop) -> dict[str, Any]:
