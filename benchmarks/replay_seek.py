@@ -9,8 +9,8 @@ a heartbeat every 10 steps), one with every step timed per bucket and one
 timed every 16th step, and times N seeks to random steps on each, from the
 command to the snapshot at the target.
 
-    python -m benchmarks.flakes                 # JSON on stdout
-    python -m benchmarks.flakes --seeks 30 --dir /tmp/flakes-rec
+    python -m benchmarks.replay_seek                 # JSON on stdout
+    python -m benchmarks.replay_seek --seeks 30 --dir /tmp/seek-rec
 """
 
 from __future__ import annotations
