@@ -32,6 +32,7 @@ from ddpscope.analysis.monitor import Clock, FeedStats, Monitor
 from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import Message
+from ddpscope.transport.batch import is_batch
 from ddpscope.transport.decodepool import DecodePool
 from ddpscope.transport.subscriber import Subscriber
 
@@ -112,6 +113,8 @@ class LiveFeed(SnapshotHandoff):
         self.metrics = metrics
         self._pool = DecodePool(decoders) if decoders > 0 else None
         self._decoded: list[Message | tuple[str, str]] = []
+        #: Messages taken off the socket in one turn (a relay's batch: many a frame).
+        self._got: list[Message] = []
         self._thread = threading.Thread(target=self._run, name="ddpscope-ingest", daemon=True)
 
     @property
@@ -176,15 +179,16 @@ class LiveFeed(SnapshotHandoff):
                 if pool is not None:
                     began = self._ingest_pooled(pool)
                 else:
-                    msg = self._sub.recv(POLL_MS)
+                    got = self._got
+                    came = self._sub.recv_into(got, POLL_MS)
                     began = time.perf_counter_ns()
-                    if msg is not None:
-                        take(msg)
-                        for _ in range(BATCH):
-                            msg = self._sub.recv(0)
-                            if msg is None:
-                                break
+                    if came:
+                        # A relay's frame holds many messages: the bound is on messages.
+                        while len(got) < BATCH and self._sub.recv_into(got, 0):
+                            pass
+                        for msg in got:
                             take(msg)
+                        got.clear()
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + TICK_S
@@ -211,14 +215,20 @@ class LiveFeed(SnapshotHandoff):
         raw = sub.recv_raw(1 if pool.pending else POLL_MS)
         began = time.perf_counter_ns()
         out = self._decoded
+        # Relays' batches are checked here (cheap); the pool decodes ranks' own frames.
+        checked = self._got
         if raw is not None:
-            batch = [raw]
+            batch: list[bytes] = []
             for _ in range(BATCH):
+                if is_batch(raw):
+                    sub.take_batch(raw, checked)
+                else:
+                    batch.append(raw)
                 raw = sub.recv_raw(0)
                 if raw is None:
                     break
-                batch.append(raw)
-            pool.submit(batch, out)
+            if batch:
+                pool.submit(batch, out)
         pool.collect(out)
         take = self.monitor.take
         for item in out:
@@ -227,6 +237,9 @@ class LiveFeed(SnapshotHandoff):
             else:
                 take(item)  # type: ignore[arg-type]
         out.clear()
+        for msg in checked:
+            take(msg)
+        checked.clear()
         return began
 
     def _update_metrics(self, metrics: MetricsServer) -> None:

@@ -1,13 +1,19 @@
 """A relay: one per node, between the node's ranks and the watcher.
 
-Two ZeroMQ proxies (``zmq.proxy_steerable``), no hand-written forwarding:
+Two paths:
 
 - telemetry: ranks' PUBs connect to the relay's bound XSUB; the relay's XPUB
   connects to the watcher's bound SUB (an XPUB may connect: bind and connect
   are independent of the direction of the data). The XSUB subscribes to
   everything itself, so ranks send from the start and never discard a
   message because no watcher is connected yet; the watcher's own subscription
-  passes through the proxy as usual. Without a watcher the XPUB discards.
+  is passed on to the ranks. Without a watcher the XPUB discards. By default
+  a thread of the relay decodes and checks every frame (the ranks' side is
+  untrusted: what fails is refused, counted by reason and named) and sends
+  what passed on as batches (:mod:`ddpscope.transport.batch`), so that the
+  decoding of a node's stream is spent on its node, not on the watcher's one
+  core. With ``decode=False`` frames go on as they came, through a ZeroMQ
+  proxy (``zmq.proxy_steerable``), as before batches existed.
 - requests: the relay's XSUB connects to the watcher's control PUB, its bound
   XPUB is where the node's ranks' SUBs connect; the ranks' subscriptions go
   up through the proxy, the watcher's requests come down.
@@ -33,6 +39,7 @@ import socket
 import struct
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +48,7 @@ import zmq
 from ddpscope.config import derive_control_endpoint
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import SCHEMA_VERSION, End, Message, RunInfo, SchemaError, decode
+from ddpscope.transport.batch import MAX_BATCH, BatchPacker
 from ddpscope.transport.security import (
     ClientKeys,
     HandshakeWatch,
@@ -73,6 +81,11 @@ PENDING_MAX = 4096
 #: must not keep a descriptor per rank it ever saw).
 CLOSE_AFTER_END_S = 5.0
 _U64x8 = struct.Struct("<8Q")
+#: A batch goes out once nothing more is waiting, or when its first message has
+#: waited this long (a steady trickle still leaves within a few ms).
+BATCH_WAIT_S = 0.005
+#: Frames the forwarding thread takes before it looks at subscriptions and stops.
+TAKE_AT_ONCE = 4096
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,11 @@ class RelayStats:
     upstream_handshake_failures: int = 0
     downstream_handshake_failures: int = 0
     last_error: str = ""
+    #: Decoding relays: frames from the ranks refused (not valid telemetry), by
+    #: reason, and batches sent towards the watcher.
+    rejected: int = 0
+    rejected_reasons: tuple[tuple[str, int], ...] = ()
+    batches: int = 0
 
 
 #: (run, rank) streams a relay records at once at most.
@@ -258,10 +276,14 @@ class Relay:
         upstream_keys: ClientKeys | None = None,
         hwm: int = RELAY_HWM,
         metrics: MetricsServer | None = None,
+        decode: bool = True,
     ) -> None:
         """``metrics``: an OpenMetrics server (``--metrics``) to serve the node's
         ranks' figures on, taken from the capture (decoded here, no detectors:
-        findings need every rank, the watcher's). The relay closes it."""
+        findings need every rank, the watcher's). The relay closes it.
+
+        ``decode``: check every frame here and send batches on (the default);
+        False: forward frames as they came (the watcher then decodes them)."""
         self.listen = listen
         self.upstream = upstream
         self.listen_control = listen_control or derive_control_endpoint(listen)
@@ -275,6 +297,17 @@ class Relay:
         self._threads: list[threading.Thread] = []
         self._final: RelayStats | None = None
         self._closed = False
+        self.decode = decode
+        here = socket.gethostname()
+        self.relay_id = f"relay {here}:{os.getpid()}"
+        #: The forwarding thread's counters (decoding relays; a proxy counts its own).
+        self.received = 0
+        self.received_bytes = 0
+        self.subscriptions = 0
+        self.batches = 0
+        self.rejected: Counter[str] = Counter()
+        self.last_error = ""
+        self._forward_stop = threading.Event()
         tag = f"{id(self):x}"
         self.upstream_watch = HandshakeWatch(
             "relay (to the watcher)", curve=upstream_keys is not None, server=False
@@ -320,10 +353,7 @@ class Relay:
 
             self._figures = StreamFigures()
         if record:
-            here = socket.gethostname()
-            self.recorder = NodeRecorder(
-                record, f"relay {here}:{os.getpid()}", here if is_local(listen) else ""
-            )
+            self.recorder = NodeRecorder(record, self.relay_id, here if is_local(listen) else "")
         if record or metrics is not None:
             self._record_in = self._ctx.socket(zmq.PULL)
             self._record_in.setsockopt(zmq.RCVHWM, hwm)
@@ -339,13 +369,18 @@ class Relay:
         if self._threads:
             return
         data_rep, ctl_rep = self._steer[0][0], self._steer[1][0]
-        self._threads = [
-            threading.Thread(
+        data = (
+            threading.Thread(target=self._forward, name="ddpscope-relay-data", daemon=True)
+            if self.decode
+            else threading.Thread(
                 target=self._proxy,
                 args=(self._in, self._out, self._capture, data_rep),
                 name="ddpscope-relay-data",
                 daemon=True,
-            ),
+            )
+        )
+        self._threads = [
+            data,
             threading.Thread(
                 target=self._proxy,
                 args=(self._req_in, self._req_out, None, ctl_rep),
@@ -366,6 +401,77 @@ class Relay:
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.ETERM, zmq.ENOTSOCK):
                 log.warning("ddpscope relay: proxy stopped: %s", exc)
+
+    def _forward(self) -> None:
+        """Decode and check each frame from the ranks; send what passed on in batches."""
+        src, dst, capture = self._in, self._out, self._capture
+        packer = BatchPacker(self.relay_id)
+        poller = zmq.Poller()
+        poller.register(src, zmq.POLLIN)
+        poller.register(dst, zmq.POLLIN)
+        first_at = 0.0
+        try:
+            while True:
+                stopping = self._forward_stop.is_set()
+                if stopping:
+                    wait_ms = 0
+                elif len(packer):
+                    wait_ms = max(0, int(1000 * (first_at + BATCH_WAIT_S - time.monotonic())))
+                else:
+                    wait_ms = 100
+                ready = dict(poller.poll(wait_ms))
+                if dst in ready:
+                    self._pass_subscriptions(dst, src)
+                if src in ready:
+                    for _ in range(TAKE_AT_ONCE):
+                        try:
+                            raw = src.recv(zmq.DONTWAIT)
+                        except zmq.Again:
+                            break
+                        self.received += 1
+                        self.received_bytes += len(raw)
+                        if capture is not None:
+                            capture.send(raw)
+                        try:
+                            msg = decode(raw)
+                        except SchemaError as exc:
+                            self._refuse(exc)
+                            continue
+                        if not len(packer):
+                            first_at = time.monotonic()
+                        packer.add(msg, raw)
+                        if len(packer) >= MAX_BATCH:
+                            self._send_batch(dst, packer)
+                if len(packer) and (stopping or time.monotonic() - first_at >= BATCH_WAIT_S):
+                    self._send_batch(dst, packer)
+                if stopping and not ready:
+                    return
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.ETERM, zmq.ENOTSOCK):
+                log.warning("ddpscope relay: forwarding stopped: %s", exc)
+                self.last_error = f"forwarding stopped: {exc}"
+
+    def _send_batch(self, dst: zmq.Socket, packer: BatchPacker) -> None:
+        # An XPUB never blocks: without a watcher, or past its high-water mark, it
+        # discards (the watcher counts that as gaps in sequence numbers).
+        dst.send(packer.take())
+        self.batches += 1
+
+    def _pass_subscriptions(self, dst: zmq.Socket, src: zmq.Socket) -> None:
+        """The watcher's (un)subscriptions, up to the ranks, as a proxy passes them."""
+        while True:
+            try:
+                frame = dst.recv(zmq.DONTWAIT)
+            except zmq.Again:
+                return
+            self.subscriptions += 1
+            src.send(frame)
+
+    def _refuse(self, exc: SchemaError) -> None:
+        if not self.rejected[exc.reason]:
+            log.warning("ddpscope relay: refused a frame from the ranks: %s", exc)
+        self.rejected[exc.reason] += 1  # reasons are a fixed set: a flood cannot grow this
+        self.last_error = f"refused from the ranks: {exc}"
 
     def _housekeeping(self) -> None:
         """Records captured messages and watches handshakes, until stopped."""
@@ -412,13 +518,19 @@ class Relay:
         with self._lock:
             if self._final is not None:
                 return self._final
-            data = self._proxy_stats(0)
+            data = self._data_stats()
             ctl = self._proxy_stats(1)
             return self._make_stats(data, ctl)
+
+    def _data_stats(self) -> tuple[int, ...]:
+        if not self.decode:
+            return self._proxy_stats(0)
+        return (self.received, self.received_bytes, 0, 0, self.subscriptions, 0, 0, 0)
 
     def _make_stats(self, data: tuple[int, ...], ctl: tuple[int, ...]) -> RelayStats:
         rec = self.recorder
         errors = [w.last_error for w in (self.upstream_watch, self.downstream_watch)]
+        errors.append(self.last_error)
         if rec is not None:
             errors.append(rec.error)
         return RelayStats(
@@ -433,6 +545,9 @@ class Relay:
             upstream_handshake_failures=self.upstream_watch.failures,
             downstream_handshake_failures=self.downstream_watch.failures,
             last_error=next((e for e in errors if e), ""),
+            rejected=sum(self.rejected.values()),
+            rejected_reasons=tuple(self.rejected.most_common(3)),
+            batches=self.batches,
         )
 
     def _proxy_stats(self, which: int) -> tuple[int, ...]:
@@ -473,15 +588,21 @@ class Relay:
             self._closed = True
             if self._threads:
                 try:
-                    data, ctl = self._proxy_stats(0), self._proxy_stats(1)
+                    ctl = self._proxy_stats(1)
+                    data = self._proxy_stats(0) if not self.decode else None
                 except (TimeoutError, zmq.ZMQError):
-                    data = ctl = (0,) * 8
-                for _, req in self._steer:
+                    data, ctl = None, (0,) * 8
+                self._forward_stop.set()
+                for i, (_, req) in enumerate(self._steer):
+                    if i == 0 and self.decode:
+                        continue  # no proxy: the forwarding thread stops on its event
                     req.send(b"TERMINATE")
                     if req.poll(500):
                         req.recv_multipart()
                 for t in self._threads[:2]:
                     t.join(timeout=5.0)
+                if data is None:  # after the forwarding thread's last frame
+                    data = self._data_stats() if self.decode else (0,) * 8
                 self._stop.set()
                 self._threads[2].join(timeout=10.0)
             else:
