@@ -248,20 +248,22 @@ def role_watcher(args: argparse.Namespace) -> None:
     lag_at = array("d")
     lags = array("d")
     feed = LiveFeed(args.endpoint, subscriber=sub, freeze_gc=True, decoders=args.decoders)
-    take = feed.monitor.take
+    take_batch = feed.monitor.take_batch
 
-    def counting(msg: Message, rx_ns: int | None = None) -> None:
-        """Sequence numbers and step lag, per message as it reaches the analysis
-        (after the decode, wherever that ran)."""
-        if msg.seq >= 0:
-            got[msg.rank] = got.get(msg.rank, 0) + 1
-        if type(msg) is Step:
-            now = time.monotonic_ns()
-            lag_at.append(now / 1e9)
-            lags.append((now - msg.t) / 1e9)
-        take(msg, rx_ns)
+    def counting(msgs: list[Message]) -> None:
+        """Sequence numbers and step lag, per message once the analysis has taken
+        its turn's messages (after the decode, wherever that ran): each lag runs
+        to the end of its batch, so it errs long, never short."""
+        take_batch(msgs)
+        now = time.monotonic_ns()
+        for msg in msgs:
+            if msg.seq >= 0:
+                got[msg.rank] = got.get(msg.rank, 0) + 1
+            if type(msg) is Step:
+                lag_at.append(now / 1e9)
+                lags.append((now - msg.t) / 1e9)
 
-    feed.monitor.take = counting  # type: ignore[method-assign]
+    feed.monitor.take_batch = counting  # type: ignore[method-assign]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     health: list[dict[str, Any]] = []

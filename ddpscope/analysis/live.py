@@ -169,7 +169,6 @@ class LiveFeed(SnapshotHandoff):
 
     def _run(self) -> None:
         next_tick = time.monotonic()
-        take = self.monitor.take
         try:
             if self.catch_up:
                 self._catch_up(self.catch_up)
@@ -186,8 +185,7 @@ class LiveFeed(SnapshotHandoff):
                         # A relay's frame holds many messages: the bound is on messages.
                         while len(got) < BATCH and self._sub.recv_into(got, 0):
                             pass
-                        for msg in got:
-                            take(msg)
+                        self.monitor.take_batch(got)
                         got.clear()
                 now = time.monotonic()
                 if now >= next_tick:
@@ -216,7 +214,7 @@ class LiveFeed(SnapshotHandoff):
         began = time.perf_counter_ns()
         out = self._decoded
         # Relays' batches are checked here (cheap); the pool decodes ranks' own frames.
-        checked = self._got
+        checked: list[Message] = []
         if raw is not None:
             batch: list[bytes] = []
             for _ in range(BATCH):
@@ -230,16 +228,17 @@ class LiveFeed(SnapshotHandoff):
             if batch:
                 pool.submit(batch, out)
         pool.collect(out)
-        take = self.monitor.take
+        got = self._got
         for item in out:
             if type(item) is tuple:
                 sub.refused(*item)
             else:
-                take(item)  # type: ignore[arg-type]
+                got.append(item)  # type: ignore[arg-type]
         out.clear()
-        for msg in checked:
-            take(msg)
-        checked.clear()
+        got += checked
+        if got:
+            self.monitor.take_batch(got)
+            got.clear()
         return began
 
     def _update_metrics(self, metrics: MetricsServer) -> None:
