@@ -217,14 +217,16 @@ class LiveFeed(SnapshotHandoff):
         checked: list[Message] = []
         if raw is not None:
             batch: list[bytes] = []
-            for _ in range(BATCH):
+            taken = 0
+            while raw is not None:
                 if is_batch(raw):
                     sub.take_batch(raw, checked)
                 else:
                     batch.append(raw)
-                raw = sub.recv_raw(0)
-                if raw is None:
+                taken += 1
+                if taken > BATCH:
                     break
+                raw = sub.recv_raw(0)
             if batch:
                 pool.submit(batch, out)
         pool.collect(out)
