@@ -176,3 +176,21 @@ def test_a_table_holding_other_than_its_items_refuses_the_batch() -> None:
     with pytest.raises(SchemaError, match="table") as err:
         taken(_repacked(b))
     assert err.value.reason == "relay batch"
+
+
+def test_a_turns_messages_taken_together_are_taken_as_one_by_one_at_that_moment() -> None:
+    run = SyntheticRun(world=8, buckets=16, slow_rank=3, slow_ms=40)
+    msgs = [decode(encode(m)) for m in run.opening() + with_collectives(run.steps(0, 40))]
+    shown = []
+    for together in (False, True):
+        monitor = Monitor(clock=clock_at(run, 40))  # a clock that stands: one moment
+        if together:
+            for i in range(0, len(msgs), 50):
+                monitor.take_batch(msgs[i : i + 50])
+        else:
+            for m in msgs:
+                monitor.take(m)
+        snap = monitor.build(SnapshotRequest(series=True, buckets=True), FeedStats())
+        shown.append((snap.rows, snap.buckets, snap.header, snap.findings, snap.health.lag_s))
+    assert shown[0] == shown[1]
+    assert any(f.kind == "straggler" for f in shown[0][3]) and shown[0][4] > 0
