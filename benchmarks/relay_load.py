@@ -237,7 +237,7 @@ def role_relays(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     while not stop.wait(0.5):
         # Messages the relays took from the ranks so far (their CPU per message).
-        progress.write_text(str(sum(r.received for r in relays)))
+        progress.write_text(str(sum(r.stats().received for r in relays)))
     stats = [r.stats() for r in relays]
     for r in relays:
         r.close()
