@@ -136,6 +136,9 @@ class Monitor:
         self.last_ingest_error = ""
         self.seq = 0
         self._findings_cache: tuple[str, int, tuple[FindingView, ...]] = ("", -1, ())
+        #: The run whose history was last sized, and for which world size.
+        self._sized: RunState | None = None
+        self._sized_for = 0
 
     # --- feeding -----------------------------------------------------------------
 
@@ -170,17 +173,21 @@ class Monitor:
     def _ingest(self, msg: Message, rx: int, wall: int) -> None:
         """``wall``: the wall clock now for the lag (0: read it when needed)."""
         run = self.analysis.feed(msg, rx)
-        if run.world_size:
+        if run.world_size and (run is not self._sized or run.world_size != self._sized_for):
             # Bound memory by the run's size: history per rank shrinks as ranks grow.
             run.history = max(MIN_HISTORY, min(MAX_HISTORY, STEP_BUDGET // run.world_size))
+            self._sized, self._sized_for = run, run.world_size
         extras = self.extras.get(run.run_id)
         if extras is None:
             extras = self.extras[run.run_id] = RunExtras()
             self._forget_old_runs()
         rank = msg.rank
         if isinstance(msg, Step):
-            series(extras.step, rank).append((msg.t_end - msg.t_start) / 1e6)
-            series(extras.busy, rank).append(busy_ms(msg))
+            # (The series looked up in place: this runs for every step message.)
+            steps = extras.step.get(rank) or series(extras.step, rank)
+            steps.append((msg.t_end - msg.t_start) / 1e6)
+            busy = extras.busy.get(rank) or series(extras.busy, rank)
+            busy.append(busy_ms(msg))
             if self.measure_lag:
                 self._measure_lag(run, msg, wall)
         elif isinstance(msg, Heartbeat):
