@@ -39,7 +39,6 @@ import socket
 import struct
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,7 @@ import zmq
 from ddpscope.config import derive_control_endpoint
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import SCHEMA_VERSION, End, Message, RunInfo, SchemaError, decode
-from ddpscope.transport.batch import MAX_BATCH, BatchPacker
+from ddpscope.transport.forward import BatchForwarder
 from ddpscope.transport.security import (
     ClientKeys,
     HandshakeWatch,
@@ -81,11 +80,6 @@ PENDING_MAX = 4096
 #: must not keep a descriptor per rank it ever saw).
 CLOSE_AFTER_END_S = 5.0
 _U64x8 = struct.Struct("<8Q")
-#: A batch goes out once nothing more is waiting, or when its first message has
-#: waited this long (a steady trickle still leaves within a few ms).
-BATCH_WAIT_S = 0.005
-#: Frames the forwarding thread takes before it looks at subscriptions and stops.
-TAKE_AT_ONCE = 4096
 
 
 @dataclass(frozen=True)
@@ -300,13 +294,6 @@ class Relay:
         self.decode = decode
         here = socket.gethostname()
         self.relay_id = f"relay {here}:{os.getpid()}"
-        #: The forwarding thread's counters (decoding relays; a proxy counts its own).
-        self.received = 0
-        self.received_bytes = 0
-        self.subscriptions = 0
-        self.batches = 0
-        self.rejected: Counter[str] = Counter()
-        self.last_error = ""
         self._forward_stop = threading.Event()
         tag = f"{id(self):x}"
         self.upstream_watch = HandshakeWatch(
@@ -362,6 +349,10 @@ class Relay:
             self._capture.setsockopt(zmq.SNDHWM, hwm)
             self._capture.setsockopt(zmq.LINGER, 0)
             self._capture.connect(f"inproc://relay-{tag}-record")
+        #: The decoding path (used by the data thread only when ``decode``).
+        self.forwarder = BatchForwarder(
+            self._in, self._out, self._capture, self.relay_id, self._forward_stop
+        )
 
     # --- running --------------------------------------------------------------------
 
@@ -370,7 +361,7 @@ class Relay:
             return
         data_rep, ctl_rep = self._steer[0][0], self._steer[1][0]
         data = (
-            threading.Thread(target=self._forward, name="ddpscope-relay-data", daemon=True)
+            threading.Thread(target=self.forwarder.run, name="ddpscope-relay-data", daemon=True)
             if self.decode
             else threading.Thread(
                 target=self._proxy,
@@ -401,77 +392,6 @@ class Relay:
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.ETERM, zmq.ENOTSOCK):
                 log.warning("ddpscope relay: proxy stopped: %s", exc)
-
-    def _forward(self) -> None:
-        """Decode and check each frame from the ranks; send what passed on in batches."""
-        src, dst, capture = self._in, self._out, self._capture
-        packer = BatchPacker(self.relay_id)
-        poller = zmq.Poller()
-        poller.register(src, zmq.POLLIN)
-        poller.register(dst, zmq.POLLIN)
-        first_at = 0.0
-        try:
-            while True:
-                stopping = self._forward_stop.is_set()
-                if stopping:
-                    wait_ms = 0
-                elif len(packer):
-                    wait_ms = max(0, int(1000 * (first_at + BATCH_WAIT_S - time.monotonic())))
-                else:
-                    wait_ms = 100
-                ready = dict(poller.poll(wait_ms))
-                if dst in ready:
-                    self._pass_subscriptions(dst, src)
-                if src in ready:
-                    for _ in range(TAKE_AT_ONCE):
-                        try:
-                            raw = src.recv(zmq.DONTWAIT)
-                        except zmq.Again:
-                            break
-                        self.received += 1
-                        self.received_bytes += len(raw)
-                        if capture is not None:
-                            capture.send(raw)
-                        try:
-                            msg = decode(raw)
-                        except SchemaError as exc:
-                            self._refuse(exc)
-                            continue
-                        if not len(packer):
-                            first_at = time.monotonic()
-                        packer.add(msg, raw)
-                        if len(packer) >= MAX_BATCH:
-                            self._send_batch(dst, packer)
-                if len(packer) and (stopping or time.monotonic() - first_at >= BATCH_WAIT_S):
-                    self._send_batch(dst, packer)
-                if stopping and not ready:
-                    return
-        except zmq.ZMQError as exc:
-            if exc.errno not in (zmq.ETERM, zmq.ENOTSOCK):
-                log.warning("ddpscope relay: forwarding stopped: %s", exc)
-                self.last_error = f"forwarding stopped: {exc}"
-
-    def _send_batch(self, dst: zmq.Socket, packer: BatchPacker) -> None:
-        # An XPUB never blocks: without a watcher, or past its high-water mark, it
-        # discards (the watcher counts that as gaps in sequence numbers).
-        dst.send(packer.take())
-        self.batches += 1
-
-    def _pass_subscriptions(self, dst: zmq.Socket, src: zmq.Socket) -> None:
-        """The watcher's (un)subscriptions, up to the ranks, as a proxy passes them."""
-        while True:
-            try:
-                frame = dst.recv(zmq.DONTWAIT)
-            except zmq.Again:
-                return
-            self.subscriptions += 1
-            src.send(frame)
-
-    def _refuse(self, exc: SchemaError) -> None:
-        if not self.rejected[exc.reason]:
-            log.warning("ddpscope relay: refused a frame from the ranks: %s", exc)
-        self.rejected[exc.reason] += 1  # reasons are a fixed set: a flood cannot grow this
-        self.last_error = f"refused from the ranks: {exc}"
 
     def _housekeeping(self) -> None:
         """Records captured messages and watches handshakes, until stopped."""
@@ -525,12 +445,13 @@ class Relay:
     def _data_stats(self) -> tuple[int, ...]:
         if not self.decode:
             return self._proxy_stats(0)
-        return (self.received, self.received_bytes, 0, 0, self.subscriptions, 0, 0, 0)
+        f = self.forwarder
+        return (f.received, f.received_bytes, 0, 0, f.subscriptions, 0, 0, 0)
 
     def _make_stats(self, data: tuple[int, ...], ctl: tuple[int, ...]) -> RelayStats:
         rec = self.recorder
         errors = [w.last_error for w in (self.upstream_watch, self.downstream_watch)]
-        errors.append(self.last_error)
+        errors.append(self.forwarder.last_error)
         if rec is not None:
             errors.append(rec.error)
         return RelayStats(
@@ -545,9 +466,9 @@ class Relay:
             upstream_handshake_failures=self.upstream_watch.failures,
             downstream_handshake_failures=self.downstream_watch.failures,
             last_error=next((e for e in errors if e), ""),
-            rejected=sum(self.rejected.values()),
-            rejected_reasons=tuple(self.rejected.most_common(3)),
-            batches=self.batches,
+            rejected=sum(self.forwarder.rejected.values()),
+            rejected_reasons=tuple(self.forwarder.rejected.most_common(3)),
+            batches=self.forwarder.batches,
         )
 
     def _proxy_stats(self, which: int) -> tuple[int, ...]:
