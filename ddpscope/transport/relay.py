@@ -10,7 +10,8 @@ Two paths:
   is passed on to the ranks. Without a watcher the XPUB discards. By default
   a thread of the relay decodes and checks every frame (the ranks' side is
   untrusted: what fails is refused, counted by reason and named) and sends
-  what passed on as batches (:mod:`ddpscope.transport.batch`), so that the
+  what passed on as batches (:mod:`ddpscope.transport.forward`,
+  :mod:`ddpscope.transport.batch`), so that the
   decoding of a node's stream is spent on its node, not on the watcher's one
   core. With ``decode=False`` frames go on as they came, through a ZeroMQ
   proxy (``zmq.proxy_steerable``), as before batches existed.
