@@ -18,6 +18,10 @@ It reports, per world size:
 - pooled: CPU per message left to the ingest thread when workers decode
   (``watch --decoders N``): rebuilding the decoded batch + analysis; and what
   each message costs the workers (decode + flattening);
+- relayed: CPU per message left to the watcher when decoding relays send it
+  batches (``transport/batch.py``: checking each batch's messages + analysis),
+  the relays' ``--relay-ranks`` ranks each, bursts as they come; and what
+  each message costs the relays (decode + packing);
 - the messages/s one core would then take, against what the job sends.
 
 The stream carries bucket detail on every step by default (the heaviest
@@ -50,6 +54,7 @@ from benchmarks.table import print_rows
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import Step, decode, encode
+from ddpscope.transport.batch import BatchPacker, unpack
 from ddpscope.transport.decodepool import answer, rebuild
 from tests.support.synth import MS, FrozenClock, Phases, healthy, lockstep, run_infos
 
@@ -127,6 +132,15 @@ class Driver:
     def take(self, msg: Any, t: int) -> None:
         self.clock.at(t)
         self.monitor.take(msg, t)
+        self._after(t)
+
+    def take_batch(self, msgs: list[Any], t: int) -> None:
+        """A relay's batch, taken as the live feed takes a turn's messages (at ``t``)."""
+        self.clock.at(t)
+        self.monitor.take_batch(msgs)
+        self._after(t)
+
+    def _after(self, t: int) -> None:
         if t >= self.next_tick:
             self.next_tick = t + TICK_NS
             self.monitor.tick()
@@ -207,14 +221,63 @@ def pooled(world: int, steps: int, every: int) -> dict[str, Any]:
     }
 
 
-def measure(world: int, steps: int, pool_steps: int, trace: bool, every: int) -> dict[str, Any]:
+def relayed(world: int, steps: int, every: int, per_relay: int) -> dict[str, Any]:
+    """The relays' side (decode, pack a burst) and the watcher's (check the batch's
+    messages + analysis), timed apart, with the relay's and subscriber's functions."""
+    frames: list[tuple[list[int], bytes]] = []
+    relay_cpu = 0.0
+    n = 0
+    packers: dict[int, BatchPacker] = {}
+    for chunk in wire(world, steps, every=every):
+        # Per relay, its ranks' messages in order, sent a step's burst at a time
+        # (ranks step in lockstep; a relay sends what came between two of its sends).
+        bursts: dict[int, list[tuple[int, bytes]]] = {}
+        for t, raw in chunk:
+            rank = decode(raw).rank
+            bursts.setdefault(rank // per_relay, []).append((t, raw))
+        for relay, part in sorted(bursts.items(), key=lambda kv: kv[1][0][0]):
+            packer = packers.setdefault(relay, BatchPacker(f"relay {relay}"))
+            for i in range(0, len(part), per_relay):  # a step's burst of the node
+                piece = part[i : i + per_relay]
+                c = time.process_time()
+                for _, raw in piece:
+                    packer.add(decode(raw), raw)
+                frame = packer.take()
+                relay_cpu += time.process_time() - c
+                frames.append(([t for t, _ in piece], frame))
+                n += len(piece)
+    frames.sort(key=lambda f: f[0][0])
+    d = Driver()
+    gc.collect()
+    gc.freeze()
+    got: list[Any] = []
+    refused: list[Any] = []
+    c = time.process_time()
+    for times, frame in frames:
+        unpack(frame, got, lambda *why: refused.append(why))
+        d.take_batch(got, times[-1])
+        got.clear()
+    main_cpu = time.process_time() - c
+    assert not refused, refused[:3]
+    return {
+        "relayed_watcher_us_per_msg": round(1e6 * main_cpu / n, 1),
+        "relayed_snapshot_share": round(d.snap_cpu / main_cpu, 2),
+        "relayed_relay_us_per_msg": round(1e6 * relay_cpu / n, 1),
+    }
+
+
+def measure(
+    world: int, steps: int, pool_steps: int, trace: bool, every: int, per_relay: int = 128
+) -> dict[str, Any]:
     row: dict[str, Any] = {"ranks": world, "steps": steps, "bucket_every": every}
     row.update(direct(world, steps, trace, every))
     row.update(pooled(world, pool_steps, every))
+    row.update(relayed(world, pool_steps, every, per_relay))
     sends = world * (RATE + 1)  # a step and a tenth of a heartbeat per rank, per step time
     row["job_sends_per_s"] = sends
     row["one_core_direct_per_s"] = round(1e6 / row["direct_us_per_msg"])
     row["one_core_pooled_per_s"] = round(1e6 / row["pooled_ingest_us_per_msg"])
+    row["one_core_relayed_per_s"] = round(1e6 / row["relayed_watcher_us_per_msg"])
     return row
 
 

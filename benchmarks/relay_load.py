@@ -8,10 +8,11 @@ Processes, all on loopback:
   messages that arrived (sequence numbers) and the lag of every step message
   from its creation on the rank to its ingestion (both clocks are this host's
   CLOCK_MONOTONIC, so no offset enters the figure);
-- the relays: ``--relays`` ``ddpscope.transport.relay.Relay`` objects in one
-  process (they are C proxies; Python only starts them), each listening on an
-  ipc:// socket for its node's ranks, as ``ddpscope run`` sets them up, and
-  forwarding to the watcher over tcp;
+- the relays: ``--relays`` ``ddpscope.transport.relay.Relay`` objects spread
+  over ``--relay-procs`` processes, each listening on an ipc:// socket for its
+  node's ranks, as ``ddpscope run`` sets them up, and forwarding to the watcher
+  over tcp: decoding and checking every frame and sending batches (the
+  default), or with ``--raw-relays`` passing frames on as they came (C proxies);
 - the ranks: ``--procs`` processes, each simulating ``ranks / procs`` ranks on
   a timer, each rank with its own rank socket (``sockets.rank_publisher``:
   XPUB, NODROP, sends with DONTWAIT, a refused send counted) connected to its
@@ -22,14 +23,17 @@ Processes, all on loopback:
 
 It reports messages/s sent and ingested, messages lost (per-rank sequence
 gaps at the watcher, and sends the ranks' sockets refused), the watcher's CPU
-(share of one core) and RSS, and the lag (median, 99th percentile, worst) over
-the measured window (after a 5 s warm-up).
+(share of one core, and CPU seconds per message ingested in the window: what
+a loaded machine cannot change) and RSS, the relays' CPU per message, the
+load average, and the lag (median, 99th percentile, worst) over the measured
+window (after a 5 s warm-up).
 
     python -m benchmarks.relay_load                       # 1,024 ranks, 8 relays, 30 s
     python -m benchmarks.relay_load --ranks 256 --relays 2 --seconds 20
     python -m benchmarks.relay_load --json
     python -m benchmarks.relay_load --ranks 4096 --relays 32 --procs 8 --decoders 3
     python -m benchmarks.relay_load --bucket-every 32     # bucket detail as ranks sample it
+    python -m benchmarks.relay_load --raw-relays --decoders 2   # relays as proxies (before)
 """
 
 from __future__ import annotations
@@ -223,17 +227,22 @@ def role_ranks(args: argparse.Namespace) -> None:
 def role_relays(args: argparse.Namespace) -> None:
     from ddpscope.transport.relay import Relay
 
-    relays = [Relay(ep, args.upstream) for ep in args.relay_endpoints.split(",")]
+    eps = args.relay_endpoints.split(",")
+    relays = [Relay(ep, args.upstream, decode=not args.raw_relays) for ep in eps]
     for r in relays:
         r.start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    progress = Path(args.out + ".progress")
     print("ready", flush=True)
-    stop.wait()
+    while not stop.wait(0.5):
+        # Messages the relays took from the ranks so far (their CPU per message).
+        progress.write_text(str(sum(r.stats().received for r in relays)))
     stats = [r.stats() for r in relays]
     for r in relays:
         r.close()
-    print(json.dumps({"received": [s.received for s in stats]}), flush=True)
+    out = {"received": [s.received for s in stats], "rejected": [s.rejected for s in stats]}
+    print(json.dumps(out), flush=True)
 
 
 # --- watcher -------------------------------------------------------------------
@@ -248,20 +257,22 @@ def role_watcher(args: argparse.Namespace) -> None:
     lag_at = array("d")
     lags = array("d")
     feed = LiveFeed(args.endpoint, subscriber=sub, freeze_gc=True, decoders=args.decoders)
-    take = feed.monitor.take
+    take_batch = feed.monitor.take_batch
 
-    def counting(msg: Message, rx_ns: int | None = None) -> None:
-        """Sequence numbers and step lag, per message as it reaches the analysis
-        (after the decode, wherever that ran)."""
-        if msg.seq >= 0:
-            got[msg.rank] = got.get(msg.rank, 0) + 1
-        if type(msg) is Step:
-            now = time.monotonic_ns()
-            lag_at.append(now / 1e9)
-            lags.append((now - msg.t) / 1e9)
-        take(msg, rx_ns)
+    def counting(msgs: list[Message]) -> None:
+        """Sequence numbers and step lag, per message once the analysis has taken
+        its turn's messages (after the decode, wherever that ran): each lag runs
+        to the end of its batch, so it errs long, never short."""
+        take_batch(msgs)
+        now = time.monotonic_ns()
+        for msg in msgs:
+            if msg.seq >= 0:
+                got[msg.rank] = got.get(msg.rank, 0) + 1
+            if type(msg) is Step:
+                lag_at.append(now / 1e9)
+                lags.append((now - msg.t) / 1e9)
 
-    feed.monitor.take = counting  # type: ignore[method-assign]
+    feed.monitor.take_batch = counting  # type: ignore[method-assign]
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     health: list[dict[str, Any]] = []
@@ -324,8 +335,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "watcher", "--endpoint", watcher_ep, "--out", out_file, "--decoders", str(args.decoders)
     )
     _ready(watcher, "watcher")
-    relays = _spawn("relays", "--relay-endpoints", relay_eps, "--upstream", watcher_ep)
-    _ready(relays, "relays")
+    eps = relay_eps.split(",")
+    raw = ["--raw-relays"] if args.raw_relays else []
+    relay_procs = []
+    for i in range(args.relay_procs):
+        mine = ",".join(eps[i :: args.relay_procs])
+        if mine:
+            out = ["--out", os.path.join(tmp, f"relays-{i}")]
+            relay_procs.append(
+                _spawn("relays", "--relay-endpoints", mine, "--upstream", watcher_ep, *raw, *out)
+            )
+    for p in relay_procs:
+        _ready(p, "relays")
     start_at = time.monotonic() + 6.0 + args.ranks / 256
     per_proc = args.ranks // args.procs
     common = ["--relay-endpoints", relay_eps, "--world", str(args.ranks), "--rate", str(args.rate)]
@@ -338,11 +359,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     late_start = time.monotonic() - start_at
     time.sleep(max(0.0, start_at - time.monotonic()) + WARMUP_S)
     w = psutil.Process(watcher.pid)
-    procs = {"watcher": w, "relays": psutil.Process(relays.pid)}
+    procs = {"watcher": w}
+    for i, p in enumerate(relay_procs):
+        procs[f"relays{i}"] = psutil.Process(p.pid)
     for i, child in enumerate(w.children(recursive=True)):  # the decode workers
         procs[f"decoder{i}"] = child
     cpu0 = {k: sum(p.cpu_times()[:2]) for k, p in procs.items()}
     rank_cpu0 = sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in ranks)
+    progress = Path(out_file + ".progress")
+    relay_progress = [Path(tmp, f"relays-{i}.progress") for i in range(len(relay_procs))]
+
+    def relayed() -> int:
+        return sum(int(p.read_text() or 0) for p in relay_progress if p.exists())
+
+    ingested0 = int(progress.read_text() or 0)
+    relayed0 = relayed()
+    load0 = os.getloadavg()
     t0 = time.monotonic()
     rss_peak = decoders_rss_peak = 0
     window_end = start_at + args.seconds
@@ -352,7 +384,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         decoders_rss_peak = max(decoders_rss_peak, sum(p.memory_info().rss for p in workers))
         time.sleep(0.5)
     elapsed = time.monotonic() - t0
-    cpu = {k: (sum(p.cpu_times()[:2]) - cpu0[k]) / elapsed for k, p in procs.items()}
+    cpu_s = {k: sum(p.cpu_times()[:2]) - cpu0[k] for k, p in procs.items()}
+    ingested = int(progress.read_text() or 0) - ingested0
+    load1 = os.getloadavg()
+    cpu = {k: v / elapsed for k, v in cpu_s.items()}
     rank_cpu = (sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in ranks) - rank_cpu0) / (
         elapsed
     )
@@ -361,7 +396,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for p in ranks:
         p.wait()
     # What is still queued reaches the watcher: wait until its count stands still.
-    progress = Path(out_file + ".progress")
     last, still_since, drain_start = -1, time.monotonic(), time.monotonic()
     while time.monotonic() - still_since < args.drain and time.monotonic() - drain_start < 300:
         time.sleep(0.5)
@@ -369,9 +403,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if now != last:
             last, still_since = now, time.monotonic()
     drained_s = time.monotonic() - drain_start - args.drain
-    relays.terminate()
-    relay_report = json.loads(relays.stdout.readline() or "{}")
-    relays.wait()
+    # CPU per message from the window's start to the backlog's end: a starved
+    # watcher works through its backlog here, and every message is counted once.
+    cpu_all = {k: sum(p.cpu_times()[:2]) - cpu0[k] for k, p in procs.items()}
+    ingested_all = int(progress.read_text() or 0) - ingested0
+    relayed_all = relayed() - relayed0
+    relay_report: dict[str, list[int]] = {"received": [], "rejected": []}
+    for p in relay_procs:
+        p.terminate()
+        said = json.loads(p.stdout.readline() or "{}")
+        p.wait()
+        for k in relay_report:
+            relay_report[k] += said.get(k, [])
     watcher.terminate()
     watcher.wait()
     seen = json.loads(Path(out_file).read_text())
@@ -403,13 +446,32 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "lost_msgs": sum(lost_per_rank.values()),
         "ranks_with_loss": sum(1 for v in lost_per_rank.values() if v),
         "send_refused": sum(rep["refused"] for rep in reports),
-        "relay_received": sum(relay_report.get("received", [])),
+        "relay_received": sum(relay_report["received"]),
         "watcher_dropped_health": health[-1]["dropped"] if health else None,
         "watcher_cpu_pct": round(100 * cpu["watcher"]),
         "watcher_busy_median": round(statistics.median(h["busy"] for h in health), 2)
         if health
         else None,
-        "relays_cpu_pct": round(100 * cpu["relays"]),
+        "relays_cpu_pct": round(100 * sum(v for k, v in cpu.items() if k.startswith("relays"))),
+        "relays_decode": not args.raw_relays,
+        "relay_rejected": sum(relay_report["rejected"]),
+        "ingested_in_window": ingested,
+        "ingested_window_to_drained": ingested_all,
+        "watcher_cpu_us_per_msg": round(1e6 * cpu_all["watcher"] / ingested_all, 1)
+        if ingested_all
+        else None,
+        "watcher_and_workers_cpu_us_per_msg": round(
+            1e6 * sum(v for k, v in cpu_all.items() if not k.startswith("relays")) / ingested_all,
+            1,
+        )
+        if ingested_all
+        else None,
+        "relays_cpu_us_per_msg": round(
+            1e6 * sum(v for k, v in cpu_all.items() if k.startswith("relays")) / relayed_all, 1
+        )
+        if relayed_all
+        else None,
+        "load_avg_1min_start_end": [round(load0[0], 1), round(load1[0], 1)],
         "decoders": args.decoders,
         "decoders_cpu_pct": round(100 * sum(v for k, v in cpu.items() if k.startswith("decoder"))),
         "decoders_rss_mb_peak": round(decoders_rss_peak / 2**20),
@@ -429,6 +491,12 @@ def main() -> None:
     p.add_argument("--role", choices=["watcher", "relays", "ranks"], help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--relays", type=int, default=8)
+    p.add_argument("--relay-procs", type=int, default=4, help="processes the relays run in")
+    p.add_argument(
+        "--raw-relays",
+        action="store_true",
+        help="relays pass frames on undecoded (ZeroMQ proxies), as before batches",
+    )
     p.add_argument("--procs", type=int, default=4, help="processes simulating the ranks")
     p.add_argument("--rate", type=float, default=10.0, help="steps per second per rank")
     p.add_argument("--buckets", type=int, default=32)

@@ -994,3 +994,19 @@ def _check_parallel(kind: str, names: tuple[str, ...], kwargs: dict[str, Any]) -
         m = len(kwargs.get(name, ()))
         if m != n:
             raise SchemaError(f"{kind}.{name}", f"{m} items where {first} has {n}")
+
+
+# --- for checkers of other encodings (transport/batch.py) ---------------------
+
+
+def field_plans(kind: str) -> list[FieldPlan]:
+    """``kind``'s fields in order, with the checks the generated decoder makes on
+    each: what a relay's batch (values by position, not by name) must pass too."""
+    spec = _SPECS[kind]
+    hints = typing.get_type_hints(spec.cls)
+    return [_plan(spec, f, hints[f.name]) for f in dataclasses.fields(spec.cls)]
+
+
+def parallel_fields(kind: str) -> tuple[tuple[str, ...], ...]:
+    """``kind``'s groups of list fields that must have equal lengths."""
+    return _PARALLEL.get(kind, ())

@@ -32,6 +32,7 @@ from ddpscope.analysis.monitor import Clock, FeedStats, Monitor
 from ddpscope.analysis.protocol import Detector
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.schema import Message
+from ddpscope.transport.batch import is_batch
 from ddpscope.transport.decodepool import DecodePool
 from ddpscope.transport.subscriber import Subscriber
 
@@ -112,6 +113,8 @@ class LiveFeed(SnapshotHandoff):
         self.metrics = metrics
         self._pool = DecodePool(decoders) if decoders > 0 else None
         self._decoded: list[Message | tuple[str, str]] = []
+        #: Messages taken off the socket in one turn (a relay's batch: many a frame).
+        self._got: list[Message] = []
         self._thread = threading.Thread(target=self._run, name="ddpscope-ingest", daemon=True)
 
     @property
@@ -166,7 +169,6 @@ class LiveFeed(SnapshotHandoff):
 
     def _run(self) -> None:
         next_tick = time.monotonic()
-        take = self.monitor.take
         try:
             if self.catch_up:
                 self._catch_up(self.catch_up)
@@ -176,15 +178,15 @@ class LiveFeed(SnapshotHandoff):
                 if pool is not None:
                     began = self._ingest_pooled(pool)
                 else:
-                    msg = self._sub.recv(POLL_MS)
+                    got = self._got
+                    came = self._sub.recv_into(got, POLL_MS)
                     began = time.perf_counter_ns()
-                    if msg is not None:
-                        take(msg)
-                        for _ in range(BATCH):
-                            msg = self._sub.recv(0)
-                            if msg is None:
-                                break
-                            take(msg)
+                    if came:
+                        # A relay's frame holds many messages: the bound is on messages.
+                        while len(got) < BATCH and self._sub.recv_into(got, 0):
+                            pass
+                        self.monitor.take_batch(got)
+                        got.clear()
                 now = time.monotonic()
                 if now >= next_tick:
                     next_tick = now + TICK_S
@@ -211,22 +213,34 @@ class LiveFeed(SnapshotHandoff):
         raw = sub.recv_raw(1 if pool.pending else POLL_MS)
         began = time.perf_counter_ns()
         out = self._decoded
+        # Relays' batches are checked here (cheap); the pool decodes ranks' own frames.
+        checked: list[Message] = []
         if raw is not None:
-            batch = [raw]
-            for _ in range(BATCH):
-                raw = sub.recv_raw(0)
-                if raw is None:
+            batch: list[bytes] = []
+            taken = 0
+            while raw is not None:
+                if is_batch(raw):
+                    sub.take_batch(raw, checked)
+                else:
+                    batch.append(raw)
+                taken += 1
+                if taken > BATCH:
                     break
-                batch.append(raw)
-            pool.submit(batch, out)
+                raw = sub.recv_raw(0)
+            if batch:
+                pool.submit(batch, out)
         pool.collect(out)
-        take = self.monitor.take
+        got = self._got
         for item in out:
             if type(item) is tuple:
                 sub.refused(*item)
             else:
-                take(item)  # type: ignore[arg-type]
+                got.append(item)  # type: ignore[arg-type]
         out.clear()
+        got += checked
+        if got:
+            self.monitor.take_batch(got)
+            got.clear()
         return began
 
     def _update_metrics(self, metrics: MetricsServer) -> None:

@@ -136,6 +136,9 @@ class Monitor:
         self.last_ingest_error = ""
         self.seq = 0
         self._findings_cache: tuple[str, int, tuple[FindingView, ...]] = ("", -1, ())
+        #: The run whose history was last sized, and for which world size.
+        self._sized: RunState | None = None
+        self._sized_for = 0
 
     # --- feeding -----------------------------------------------------------------
 
@@ -143,31 +146,54 @@ class Monitor:
         """Ingest one message (received at ``rx_ns``, default now); one odd
         message must never stop the monitor."""
         try:
-            self._ingest(msg, self.clock.mono_ns() if rx_ns is None else rx_ns)
+            self._ingest(msg, self.clock.mono_ns() if rx_ns is None else rx_ns, 0)
         except Exception as exc:
-            self.ingest_errors += 1
-            self.last_ingest_error = f"{msg.KIND} from rank {msg.rank}: {type(exc).__name__}: {exc}"
+            self._failed(msg, exc)
+
+    def take_batch(self, msgs: list[Message]) -> None:
+        """Ingest messages that were waiting together (one turn of the socket):
+        received, and their lag taken, at the one moment the turn began. Two
+        clock readings per message were ~5 % of the ingest thread at 4,096 ranks."""
+        rx = self.clock.mono_ns()
+        wall = self.clock.wall_ns() if self.measure_lag else 0
+        ingest = self._ingest
+        for msg in msgs:
+            try:
+                ingest(msg, rx, wall)
+            except Exception as exc:
+                self._failed(msg, exc)
+
+    def _failed(self, msg: Message, exc: Exception) -> None:
+        self.ingest_errors += 1
+        self.last_ingest_error = f"{msg.KIND} from rank {msg.rank}: {type(exc).__name__}: {exc}"
 
     def tick(self) -> None:
         self.analysis.tick(self.clock.mono_ns())
 
-    def _ingest(self, msg: Message, rx: int) -> None:
+    def _ingest(self, msg: Message, rx: int, wall: int) -> None:
+        """``wall``: the wall clock now for the lag (0: read it when needed)."""
         run = self.analysis.feed(msg, rx)
-        if run.world_size:
+        if run.world_size and (run is not self._sized or run.world_size != self._sized_for):
             # Bound memory by the run's size: history per rank shrinks as ranks grow.
             run.history = max(MIN_HISTORY, min(MAX_HISTORY, STEP_BUDGET // run.world_size))
+            self._sized, self._sized_for = run, run.world_size
         extras = self.extras.get(run.run_id)
         if extras is None:
             extras = self.extras[run.run_id] = RunExtras()
             self._forget_old_runs()
         rank = msg.rank
         if isinstance(msg, Step):
-            series(extras.step, rank).append((msg.t_end - msg.t_start) / 1e6)
-            series(extras.busy, rank).append(busy_ms(msg))
-            self._measure_lag(run, msg)
+            # (The series looked up in place: this runs for every step message.)
+            steps = extras.step.get(rank) or series(extras.step, rank)
+            steps.append((msg.t_end - msg.t_start) / 1e6)
+            busy = extras.busy.get(rank) or series(extras.busy, rank)
+            busy.append(busy_ms(msg))
+            if self.measure_lag:
+                self._measure_lag(run, msg, wall)
         elif isinstance(msg, Heartbeat):
             extras.hb_rx_ns[rank] = rx
-            self._measure_lag(run, msg)
+            if self.measure_lag:
+                self._measure_lag(run, msg, wall)
         elif isinstance(msg, Stacks):
             extras.stacks_asked_ns.pop(rank, None)
             extras.stacks_rx_ns[rank] = rx
@@ -180,15 +206,13 @@ class Monitor:
         for run_id in [r for r in self.extras if r not in keep]:
             del self.extras[run_id]
 
-    def _measure_lag(self, run: RunState, msg: Message) -> None:
-        if not self.measure_lag:
-            return
+    def _measure_lag(self, run: RunState, msg: Message, wall: int) -> None:
         view = run.ranks.get(msg.rank)
         info = view.info if view is not None else None
         if info is None:
             return
         created_wall = msg.t + (info.wall_ns - info.mono_ns)
-        self.lags.add((self.clock.wall_ns() - created_wall) / 1e9)
+        self.lags.add(((wall or self.clock.wall_ns()) - created_wall) / 1e9)
 
     def stacks_asked(self, rank: int) -> list[int]:
         """Note that stacks were asked of ``rank`` (-1: all); returns the targets."""

@@ -101,6 +101,12 @@ class RelayCommand:
             "http://HOST:PORT/metrics (default: off; docs/relay.md)",
         )
         parser.add_argument(
+            "--raw",
+            action="store_true",
+            help="forward the ranks' frames as they came, undecoded (default: check each "
+            "here and send batches, so the watcher's core is not spent decoding)",
+        )
+        parser.add_argument(
             "--stats-every",
             metavar="S",
             type=float,
@@ -139,6 +145,7 @@ class RelayCommand:
                 keys=keys,
                 upstream_keys=up_keys,
                 metrics=metrics,
+                decode=not args.raw,
             )
         except (SecurityError, config.ConfigError, MetricsAddressError) as exc:
             if metrics is not None:
@@ -190,6 +197,9 @@ def describe(now: RelayStats, before: RelayStats | None, seconds: float) -> str:
         parts[0] += f" ({(now.received - before.received) / seconds:.0f}/s)"
     parts.append(f"{now.requests} requests to ranks")
     parts.append("a watcher subscribed" if now.subscriptions else "no watcher has subscribed yet")
+    if now.rejected:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in now.rejected_reasons)
+        parts.append(f"{now.rejected} refused as not valid telemetry ({reasons})")
     if now.record_files:
         parts.append(
             f"recorded {now.recorded} into {now.record_files} file(s), "

@@ -1,13 +1,20 @@
 """A relay: one per node, between the node's ranks and the watcher.
 
-Two ZeroMQ proxies (``zmq.proxy_steerable``), no hand-written forwarding:
+Two paths:
 
 - telemetry: ranks' PUBs connect to the relay's bound XSUB; the relay's XPUB
   connects to the watcher's bound SUB (an XPUB may connect: bind and connect
   are independent of the direction of the data). The XSUB subscribes to
   everything itself, so ranks send from the start and never discard a
   message because no watcher is connected yet; the watcher's own subscription
-  passes through the proxy as usual. Without a watcher the XPUB discards.
+  is passed on to the ranks. Without a watcher the XPUB discards. By default
+  a thread of the relay decodes and checks every frame (the ranks' side is
+  untrusted: what fails is refused, counted by reason and named) and sends
+  what passed on as batches (:mod:`ddpscope.transport.forward`,
+  :mod:`ddpscope.transport.batch`), so that the
+  decoding of a node's stream is spent on its node, not on the watcher's one
+  core. With ``decode=False`` frames go on as they came, through a ZeroMQ
+  proxy (``zmq.proxy_steerable``), as before batches existed.
 - requests: the relay's XSUB connects to the watcher's control PUB, its bound
   XPUB is where the node's ranks' SUBs connect; the ranks' subscriptions go
   up through the proxy, the watcher's requests come down.
@@ -41,6 +48,7 @@ import zmq
 from ddpscope.config import derive_control_endpoint
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import SCHEMA_VERSION, End, Message, RunInfo, SchemaError, decode
+from ddpscope.transport.forward import BatchForwarder
 from ddpscope.transport.security import (
     ClientKeys,
     HandshakeWatch,
@@ -95,6 +103,11 @@ class RelayStats:
     upstream_handshake_failures: int = 0
     downstream_handshake_failures: int = 0
     last_error: str = ""
+    #: Decoding relays: frames from the ranks refused (not valid telemetry), by
+    #: reason, and batches sent towards the watcher.
+    rejected: int = 0
+    rejected_reasons: tuple[tuple[str, int], ...] = ()
+    batches: int = 0
 
 
 #: (run, rank) streams a relay records at once at most.
@@ -258,10 +271,14 @@ class Relay:
         upstream_keys: ClientKeys | None = None,
         hwm: int = RELAY_HWM,
         metrics: MetricsServer | None = None,
+        decode: bool = True,
     ) -> None:
         """``metrics``: an OpenMetrics server (``--metrics``) to serve the node's
         ranks' figures on, taken from the capture (decoded here, no detectors:
-        findings need every rank, the watcher's). The relay closes it."""
+        findings need every rank, the watcher's). The relay closes it.
+
+        ``decode``: check every frame here and send batches on (the default);
+        False: forward frames as they came (the watcher then decodes them)."""
         self.listen = listen
         self.upstream = upstream
         self.listen_control = listen_control or derive_control_endpoint(listen)
@@ -275,6 +292,10 @@ class Relay:
         self._threads: list[threading.Thread] = []
         self._final: RelayStats | None = None
         self._closed = False
+        self.decode = decode
+        here = socket.gethostname()
+        self.relay_id = f"relay {here}:{os.getpid()}"
+        self._forward_stop = threading.Event()
         tag = f"{id(self):x}"
         self.upstream_watch = HandshakeWatch(
             "relay (to the watcher)", curve=upstream_keys is not None, server=False
@@ -320,10 +341,7 @@ class Relay:
 
             self._figures = StreamFigures()
         if record:
-            here = socket.gethostname()
-            self.recorder = NodeRecorder(
-                record, f"relay {here}:{os.getpid()}", here if is_local(listen) else ""
-            )
+            self.recorder = NodeRecorder(record, self.relay_id, here if is_local(listen) else "")
         if record or metrics is not None:
             self._record_in = self._ctx.socket(zmq.PULL)
             self._record_in.setsockopt(zmq.RCVHWM, hwm)
@@ -332,6 +350,10 @@ class Relay:
             self._capture.setsockopt(zmq.SNDHWM, hwm)
             self._capture.setsockopt(zmq.LINGER, 0)
             self._capture.connect(f"inproc://relay-{tag}-record")
+        #: The decoding path (used by the data thread only when ``decode``).
+        self.forwarder = BatchForwarder(
+            self._in, self._out, self._capture, self.relay_id, self._forward_stop
+        )
 
     # --- running --------------------------------------------------------------------
 
@@ -339,13 +361,18 @@ class Relay:
         if self._threads:
             return
         data_rep, ctl_rep = self._steer[0][0], self._steer[1][0]
-        self._threads = [
-            threading.Thread(
+        data = (
+            threading.Thread(target=self.forwarder.run, name="ddpscope-relay-data", daemon=True)
+            if self.decode
+            else threading.Thread(
                 target=self._proxy,
                 args=(self._in, self._out, self._capture, data_rep),
                 name="ddpscope-relay-data",
                 daemon=True,
-            ),
+            )
+        )
+        self._threads = [
+            data,
             threading.Thread(
                 target=self._proxy,
                 args=(self._req_in, self._req_out, None, ctl_rep),
@@ -412,13 +439,20 @@ class Relay:
         with self._lock:
             if self._final is not None:
                 return self._final
-            data = self._proxy_stats(0)
+            data = self._data_stats()
             ctl = self._proxy_stats(1)
             return self._make_stats(data, ctl)
+
+    def _data_stats(self) -> tuple[int, ...]:
+        if not self.decode:
+            return self._proxy_stats(0)
+        f = self.forwarder
+        return (f.received, f.received_bytes, 0, 0, f.subscriptions, 0, 0, 0)
 
     def _make_stats(self, data: tuple[int, ...], ctl: tuple[int, ...]) -> RelayStats:
         rec = self.recorder
         errors = [w.last_error for w in (self.upstream_watch, self.downstream_watch)]
+        errors.append(self.forwarder.last_error)
         if rec is not None:
             errors.append(rec.error)
         return RelayStats(
@@ -433,6 +467,9 @@ class Relay:
             upstream_handshake_failures=self.upstream_watch.failures,
             downstream_handshake_failures=self.downstream_watch.failures,
             last_error=next((e for e in errors if e), ""),
+            rejected=sum(self.forwarder.rejected.values()),
+            rejected_reasons=tuple(self.forwarder.rejected.most_common(3)),
+            batches=self.forwarder.batches,
         )
 
     def _proxy_stats(self, which: int) -> tuple[int, ...]:
@@ -473,15 +510,21 @@ class Relay:
             self._closed = True
             if self._threads:
                 try:
-                    data, ctl = self._proxy_stats(0), self._proxy_stats(1)
+                    ctl = self._proxy_stats(1)
+                    data = self._proxy_stats(0) if not self.decode else None
                 except (TimeoutError, zmq.ZMQError):
-                    data = ctl = (0,) * 8
-                for _, req in self._steer:
+                    data, ctl = None, (0,) * 8
+                self._forward_stop.set()
+                for i, (_, req) in enumerate(self._steer):
+                    if i == 0 and self.decode:
+                        continue  # no proxy: the forwarding thread stops on its event
                     req.send(b"TERMINATE")
                     if req.poll(500):
                         req.recv_multipart()
                 for t in self._threads[:2]:
                     t.join(timeout=5.0)
+                if data is None:  # after the forwarding thread's last frame
+                    data = self._data_stats() if self.decode else (0,) * 8
                 self._stop.set()
                 self._threads[2].join(timeout=10.0)
             else:

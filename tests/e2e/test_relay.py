@@ -279,3 +279,101 @@ def test_a_flood_of_run_ids_cannot_make_a_recording_relay_open_a_file_for_each(
     recorder.close()
     assert recorder.rejected == 50 and "not recorded" in recorder.error
     assert len(list(tmp_path.rglob("*.ddps"))) == relay_mod.MAX_STREAMS
+
+
+def test_a_relay_refuses_malformed_frames_from_its_side_and_passes_every_good_one(
+    tmp_path: Path,
+) -> None:
+    import msgpack
+    import zmq
+
+    up, local = f"ipc://{tmp_path}/watcher.sock", f"ipc://{tmp_path}/relay.sock"
+    synth = SyntheticRun(run_id=RUN, world=2, buckets=8)
+    ctx = zmq.Context()
+    hostile = ctx.socket(zmq.PUB)
+    hostile.setsockopt(zmq.LINGER, 1000)
+    try:
+        with Subscriber(up) as watcher, Relay(local, up) as relay:
+            _wait_subscribed(relay, watcher)
+            hostile.connect(local)
+            ranks = [_rank(local, r) for r in range(2)]
+            for pub in ranks:
+                pub.start()
+            time.sleep(0.3)  # the relay's subscription reaches the hostile PUB
+            bad = [
+                b"\xc1 not msgpack",
+                msgpack.packb({"k": "step", "v": 1, "run": RUN, "rank": "zero"}),
+                msgpack.packb(["ddpscope-batch", 1, b"", "forged", [[], []], []]),
+            ]
+            for step in range(50):
+                for r, pub in enumerate(ranks):
+                    pub.post("step", 0, _fields(synth.step(r, step)))
+                hostile.send(bad[step % len(bad)])
+            for pub in ranks:
+                pub.close()
+            got = _collect(watcher, _ended(range(2)))
+            relay.settle()
+            stats = relay.stats()
+    finally:
+        ctx.destroy(linger=0)
+    for r, pub in enumerate(ranks):
+        mine = [m for m in got if m.rank == r]
+        assert [m.step for m in mine if isinstance(m, Step)] == list(range(50))
+        assert sorted(m.seq for m in mine if m.seq >= 0) == list(range(pub._seq))
+    assert stats.rejected == 50 and stats.batches >= 1
+    # (A step missing its fields; the forged batch is no rank's message: not a map.)
+    assert {reason for reason, _ in stats.rejected_reasons} == {
+        "not a msgpack message",
+        "step",
+        "not a map",
+    }
+    assert stats.last_error.startswith("refused from the ranks: ")
+    assert sum(watcher.rejected.values()) == 0  # nothing malformed got past the relay
+
+
+def test_a_relay_forwarding_raw_frames_still_delivers_everything(tmp_path: Path) -> None:
+    up, local = f"ipc://{tmp_path}/watcher.sock", f"ipc://{tmp_path}/relay.sock"
+    synth = SyntheticRun(run_id=RUN, world=2, buckets=8)
+    with Subscriber(up) as watcher, Relay(local, up, decode=False) as relay:
+        _wait_subscribed(relay, watcher)
+        ranks = [_rank(local, r) for r in range(2)]
+        for pub in ranks:
+            pub.start()
+        for step in range(30):
+            for r, pub in enumerate(ranks):
+                pub.post("step", 0, _fields(synth.step(r, step)))
+        for pub in ranks:
+            pub.close()
+        got = _collect(watcher, _ended(range(2)))
+        stats = relay.stats()
+    for r, pub in enumerate(ranks):
+        assert sorted(m.seq for m in got if m.rank == r and m.seq >= 0) == list(range(pub._seq))
+    assert watcher.batches == 0 and stats.batches == 0 and stats.received >= 60
+
+
+def test_a_watcher_refuses_a_batch_from_a_foreign_sender_and_says_whose(tmp_path: Path) -> None:
+    import msgpack
+    import zmq
+
+    from ddpscope.transport.batch import FINGERPRINT, TAG
+
+    up = f"ipc://{tmp_path}/watcher.sock"
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 1000)
+    try:
+        with Subscriber(up) as watcher:
+            pub.connect(up)
+            foreign = msgpack.packb([TAG, 1, b"\x01" * 8, "relay elsewhere:7", [[], []], []])
+            deadline = time.monotonic() + 10
+            while not watcher.rejected:
+                assert time.monotonic() < deadline, "the foreign batch never arrived"
+                pub.send(foreign)
+                watcher.recv(100)
+    finally:
+        ctx.destroy(linger=0)
+    assert set(watcher.rejected) == {"relay batch"}
+    assert "relay elsewhere:7" in watcher.last_error
+    assert (
+        "another ddpscope build" in watcher.last_error and FINGERPRINT.hex() in watcher.last_error
+    )

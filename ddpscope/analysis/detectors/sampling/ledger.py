@@ -212,6 +212,8 @@ class PassLedger:
         rp = self.ranks.get(msg.rank) or self.rank(msg.rank)
         if msg.loader_pass == rp.last_tag:
             rec = rp.last_rec
+        elif not rp.current and not rp.by_gid:
+            return  # no pass seen on this rank (no DistributedSampler): none to attribute to
         else:
             rec = self._attribute(rp, msg)
             # Cache only a current pass: a late step's pass stops being the answer once
