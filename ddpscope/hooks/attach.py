@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
@@ -35,6 +34,7 @@ from ddpscope.hooks import bucket_cost, collectives, comm, compiled, recipe, run
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
+from ddpscope.hooks.modelcheck import check_model, compiled_ddp, fabric_ddp
 
 # _inert stays importable from here: models pickled before the move name it so.
 from ddpscope.hooks.modulehook import _inert, _ModuleHook  # noqa: F401
@@ -517,53 +517,15 @@ class InertHandle:
         pass
 
 
-def _type_name(obj: Any) -> str:
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _compiled_ddp(model: Any) -> Any:
-    """The DDP model inside ``torch.compile(ddp_model)``, else None."""
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, DistributedDataParallel) and isinstance(model, torch.nn.Module):
-        return inner
-    return None
-
-
-def _fabric_ddp(model: Any) -> Any:
-    """The DDP model inside what Lightning Fabric's ``setup`` returns, else None."""
-    inner = getattr(model, "_forward_module", None)
-    return inner if isinstance(inner, DistributedDataParallel) else None
-
-
-def _check_model(model: Any) -> None:
-    if isinstance(model, DistributedDataParallel) or _compiled_ddp(model) is not None:
-        return
-    if _fabric_ddp(model) is not None:
-        return
-    if isinstance(model, DataParallel):
-        raise TypeError(
-            "ddpscope.attach() got torch.nn.DataParallel, which runs one process on several "
-            "GPUs; ddpscope watches DistributedDataParallel, one process per GPU. Launch with "
-            "torchrun, call torch.distributed.init_process_group(), and wrap with "
-            "DistributedDataParallel(model, device_ids=[local_rank]) instead."
-        )
-    raise TypeError(
-        f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model, got "
-        f"{_type_name(model)}. Wrap the model first: model = DistributedDataParallel(model); "
-        "ddpscope.attach(model)."
-    )
-
-
 def attach(model: Any, **options: Any) -> Handle | InertHandle:
     """Attach ddpscope to a DDP model. Safe to call twice (returns the same handle)."""
     global _PROCESS
-    _check_model(model)
+    check_model(model)
     wrapper = None
-    if _fabric_ddp(model) is not None:
-        model = _fabric_ddp(model)  # its forward calls the DDP module: hooks there fire
-    if _compiled_ddp(model) is not None:
-        wrapper, model = model, _compiled_ddp(model)
+    if fabric_ddp(model) is not None:
+        model = fabric_ddp(model)  # its forward calls the DDP module: hooks there fire
+    if compiled_ddp(model) is not None:
+        wrapper, model = model, compiled_ddp(model)
     opts = config.load(options)  # bad options are the caller's error: raise them
     with _LOCK:
         existing = _HANDLES.get(model)

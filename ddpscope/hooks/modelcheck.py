@@ -1,0 +1,52 @@
+"""What ``ddpscope.attach()`` accepts: a DDP model, or a wrapper it can find one in.
+
+A wrong argument is the caller's error and raises ``TypeError`` with the fix
+(DataParallel gets its own explanation); ``torch.compile(ddp_model)`` and what
+Lightning Fabric's ``setup`` returns are unwrapped to the DDP module inside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn import DataParallel
+from torch.nn.parallel import DistributedDataParallel
+
+
+def _type_name(obj: Any) -> str:
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def compiled_ddp(model: Any) -> Any:
+    """The DDP model inside ``torch.compile(ddp_model)``, else None."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, DistributedDataParallel) and isinstance(model, torch.nn.Module):
+        return inner
+    return None
+
+
+def fabric_ddp(model: Any) -> Any:
+    """The DDP model inside what Lightning Fabric's ``setup`` returns, else None."""
+    inner = getattr(model, "_forward_module", None)
+    return inner if isinstance(inner, DistributedDataParallel) else None
+
+
+def check_model(model: Any) -> None:
+    if isinstance(model, DistributedDataParallel) or compiled_ddp(model) is not None:
+        return
+    if fabric_ddp(model) is not None:
+        return
+    if isinstance(model, DataParallel):
+        raise TypeError(
+            "ddpscope.attach() got torch.nn.DataParallel, which runs one process on several "
+            "GPUs; ddpscope watches DistributedDataParallel, one process per GPU. Launch with "
+            "torchrun, call torch.distributed.init_process_group(), and wrap with "
+            "DistributedDataParallel(model, device_ids=[local_rank]) instead."
+        )
+    raise TypeError(
+        f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model, got "
+        f"{_type_name(model)}. Wrap the model first: model = DistributedDataParallel(model); "
+        "ddpscope.attach(model)."
+    )
