@@ -9,7 +9,8 @@ and interquartile range. ``--mode`` takes parts away:
 - ``full``: ddpscope as attached;
 - ``disabled``: every hook still registered, the tracker disabled (each hook
   returns at its first line): what the dispatch alone costs;
-- ``no-probe``: without the batch-size probe (the recipe's forward pre-hook).
+- ``no-probe``: the batch-size probe (the recipe's part of the forward
+  pre-hook, which it shares with the step tracker) turned off.
 
     python -m benchmarks.hook_ablation --mode full [--pairs 150]
 """
@@ -54,7 +55,7 @@ def main() -> None:
         if args.mode == "disabled":
             handle.tracker.enabled = False
         elif args.mode == "no-probe":
-            handle._hooks[2].remove()  # the recipe's forward pre-hook (attach order)
+            handle._watch.probe.enabled = False  # the recipe probe returns at its first line
         opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
         x = torch.randn(4, 16)
 
