@@ -20,9 +20,17 @@ from the start of the work to its result, with that process's peak RSS
 
 MB/s is the recording's size over the reader's time; with --runs N, each
 figure is the median of N fresh processes, with the range of the times.
+Each reader's CPU seconds (user + system) are given too: on this shared
+machine they move far less with the load than the wall time does.
+
+--derive writes the recording with replay_open.write_derived instead (16
+ranks simulated, the others repeating them under their own rank numbers: a
+1,024 x 10,000 recording in under a minute instead of most of an hour).
 
     python -m benchmarks.postmortem_scale --world 1024 --steps 500      # JSON on stdout
     python -m benchmarks.postmortem_scale --dir /tmp/pm1024 --only report --runs 3
+    python -m benchmarks.postmortem_scale --dir /tmp/pm10k --steps 10000 --derive \
+        --only replay_first --only replay_cached
 """
 
 from __future__ import annotations
@@ -115,6 +123,8 @@ def one(what: str, directory: str) -> dict[str, float]:
         out["findings_at_end"] = len(feed.index.findings_at(feed.index.t)[1])
         feed.stop()
     out["seconds"] = round(time.perf_counter() - began, 2)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)
     out["peak_rss_mb"] = round(peak_rss_mb())
     return out
 
@@ -163,22 +173,24 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=8)
     ap.add_argument("--only", action="append", choices=WHAT, help="these readers (repeatable)")
     ap.add_argument("--runs", type=int, default=1, help="fresh processes per reader (median)")
+    ap.add_argument("--derive", action="store_true", help="write it with write_derived (fast)")
     ap.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one(args.child, args.dir)))
         return
-    from benchmarks.replay_open import write_recording
+    from benchmarks.replay_open import write_derived, write_recording
 
     directory = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-postmortem-"))
     out: dict[str, object] = {"world": args.world, "steps": args.steps, "buckets": args.buckets}
     stamp = directory / "complete"
-    want = f"{args.world} {args.steps} {args.buckets}\n"
+    want = f"{args.world} {args.steps} {args.buckets}{' derived' if args.derive else ''}\n"
     if not stamp.exists() or stamp.read_text() != want:
         for old in directory.rglob("*.ddps"):
             old.unlink()
         began = time.perf_counter()
-        write_recording(directory, args.world, args.steps, args.buckets)
+        write = write_derived if args.derive else write_recording
+        write(directory, args.world, args.steps, args.buckets)
         stamp.write_text(want)
         out["write_s"] = round(time.perf_counter() - began, 1)
     size_mb = sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20
