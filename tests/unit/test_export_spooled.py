@@ -21,7 +21,7 @@ import pytest
 
 from ddpscope.analysis import report
 from ddpscope.export import Timeline
-from ddpscope.export.table import write_csv
+from ddpscope.export.table import COLUMNS, write_csv
 from ddpscope.record.reader import RankFile, choose_run
 from ddpscope.record.stream import LazyRecording
 from ddpscope.schema import Message, Step
@@ -94,6 +94,8 @@ def test_a_restarted_rank_a_torn_tail_and_two_models_export_the_same(
         f.truncate(victim.stat().st_size - 7)
     csv, notes, _ = one_pass(run, capsys, monkeypatch)
     assert any("truncated tail" in n for n in notes)
+    model = COLUMNS.index("model")
+    assert {row.split(",")[model] for row in csv.splitlines()[1:]} == {"0", "1"}
     assert_same(run, capsys, monkeypatch)
 
 
