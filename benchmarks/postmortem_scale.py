@@ -62,8 +62,10 @@ def peak_rss_mb() -> float:
 
 def one(what: str, directory: str) -> dict[str, float]:
     """Run one reader here; seconds and extra figures."""
+    # Whether an index file was there when the reader began (export reads through it).
+    there = os.path.exists(os.path.join(directory, ".ddpscope-index"))
     began = time.perf_counter()
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"index_there": float(there)}
     if what in ("read", "decode"):
         from ddpscope.record.reader import choose_run
         from ddpscope.schema import decode
@@ -129,9 +131,9 @@ def one(what: str, directory: str) -> dict[str, float]:
     return out
 
 
-def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
+def measure(what: str, directory: Path, size_mb: float, no_index: bool = False) -> dict[str, float]:
     child = ["--dir", str(directory), "--child", what]
-    if what == "replay_first":
+    if what == "replay_first" or (no_index and what != "replay_cached"):
         for old in directory.rglob(".ddpscope-index"):
             old.unlink()  # a first open has none (and writes it)
     proc = subprocess.run(
@@ -150,9 +152,11 @@ def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
     return res
 
 
-def repeated(what: str, directory: Path, size_mb: float, runs: int) -> dict[str, object]:
+def repeated(
+    what: str, directory: Path, size_mb: float, runs: int, no_index: bool = False
+) -> dict[str, object]:
     """``runs`` fresh processes: the median of each figure, and the seconds' range."""
-    results = [measure(what, directory, size_mb) for _ in range(runs)]
+    results = [measure(what, directory, size_mb, no_index) for _ in range(runs)]
     if runs == 1:
         return dict(results[0])
     out: dict[str, object] = {key: statistics.median(r[key] for r in results) for key in results[0]}
@@ -174,6 +178,11 @@ def main() -> None:
     ap.add_argument("--only", action="append", choices=WHAT, help="these readers (repeatable)")
     ap.add_argument("--runs", type=int, default=1, help="fresh processes per reader (median)")
     ap.add_argument("--derive", action="store_true", help="write it with write_derived (fast)")
+    ap.add_argument(
+        "--no-index",
+        action="store_true",
+        help="remove the index file before each reader (but replay_cached): export as without one",
+    )
     ap.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -196,7 +205,7 @@ def main() -> None:
     size_mb = sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20
     out["recording_mb"] = round(size_mb)
     for what in args.only or WHAT:
-        out[what] = repeated(what, directory, size_mb, args.runs)
+        out[what] = repeated(what, directory, size_mb, args.runs, args.no_index)
         print(what, json.dumps(out[what]), file=sys.stderr, flush=True)
     out["dir"] = str(directory)
     out["cpu_count"] = os.cpu_count()
