@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from ddpscope.record.reader import RankFile, RunDir, _int
 from ddpscope.schema import End, Message, RunInfo, SchemaError, Step, decode
@@ -72,22 +73,21 @@ class RunStream:
 
     def __iter__(self) -> Iterator[Message]:
         # Ranks in order, a rank's files in write order: on equal times the merge
-        # then keeps the order open_run's per-rank lists had. Each entry is
-        # (time, stream number, n, message): the merge compares the tuples at C
-        # speed (no key function per message), and the stream number breaks ties
-        # as a stable merge by time would.
+        # then keeps the order open_run's per-rank lists had. Entries are the
+        # windows' (time, n, message) as popped, keyed by time with itemgetter
+        # (measured quicker than a lambda, and than merging whole tuples).
         by_rank = sorted(self.files, key=lambda f: f.rank)
-        streams = [self._file(f, i) for i, f in enumerate(by_rank)]
-        for entry in heapq.merge(*streams):
-            yield entry[3]
+        streams = [self._file(f) for f in by_rank]
+        for entry in heapq.merge(*streams, key=itemgetter(0)):
+            yield entry[2]
 
-    def _file(self, rf: RankFile, number: int) -> Iterator[tuple[int, int, int, Message]]:
+    def _file(self, rf: RankFile) -> Iterator[tuple[int, int, Message]]:
         tally = self.tallies[rf.path]
         shift = self.shifts.get(rf.rank, 0)
         tap = self.tap
         rank = rf.rank
         push, pop = heapq.heappush, heapq.heappop
-        window: list[tuple[int, int, int, Message]] = []
+        window: list[tuple[int, int, Message]] = []
         n = 0
         read = 0
         # The tally's running figures are kept in locals and written back once the
@@ -122,7 +122,7 @@ class RunStream:
                 if t > last_t:
                     last_t = t
                 n += 1
-                push(window, (t + shift, number, n, msg))
+                push(window, (t + shift, n, msg))
                 if n > REORDER:
                     yield pop(window)
         finally:

@@ -27,6 +27,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from ddpscope import __version__ as VERSION
@@ -340,11 +341,12 @@ class RecordingIndex:
         finished = False
         next_tick: int | None = None
         while not self._stop.is_set():
-            # Entries compare as tuples at C speed; the stream's number breaks ties
-            # as a stable merge by time would (the first stream first).
-            merged = heapq.merge(*(self._read(s, i) for i, s in enumerate(self.streams)))
+            # Keyed by time with itemgetter: measured quicker than a lambda, and
+            # than merging whole tuples. On equal times, the first stream first.
+            streams = (self._read(s) for s in self.streams)
+            merged = heapq.merge(*streams, key=itemgetter(0))
             batch = 0
-            for t, _, _, offset, stream, msg in merged:
+            for t, _, offset, stream, msg in merged:
                 if batch == 0:
                     self.lock.acquire()
                 try:
@@ -386,15 +388,13 @@ class RecordingIndex:
         self._note_missing_ranks()
         return finished
 
-    def _read(
-        self, stream: Stream, number: int
-    ) -> Iterator[tuple[int, int, int, int, Stream, Message]]:
+    def _read(self, stream: Stream) -> Iterator[tuple[int, int, int, Stream, Message]]:
         """A file's messages from where the pass left it, sorted within a short window:
-        (time, ``number``, n, offset, stream, message)."""
+        (time, n, offset, stream, message)."""
         rf = stream.file
         shift = stream.shift
         push, pop = heapq.heappush, heapq.heappop
-        window: list[tuple[int, int, int, int, Stream, Message]] = []
+        window: list[tuple[int, int, int, Stream, Message]] = []
         n = 0
         for offset, payload in rf.scan(stream._next_offset):
             self.read_bytes += len(payload) + 8
@@ -404,7 +404,7 @@ class RecordingIndex:
                 self.problems.append(f"{rf.path}: record at byte {offset} skipped: {exc}")
                 continue
             n += 1
-            push(window, (msg.t + shift, number, n, offset, stream, msg))
+            push(window, (msg.t + shift, n, offset, stream, msg))
             if n > REORDER:
                 yield pop(window)
         while window:
