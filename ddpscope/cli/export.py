@@ -73,6 +73,7 @@ exit status:
 
     def run(self, args: argparse.Namespace) -> int:
         from ddpscope.analysis import report
+        from ddpscope.record.collect import reading_recording
         from ddpscope.record.reader import RecordError, choose_run, find_runs
         from ddpscope.record.stream import LazyRecording
 
@@ -114,7 +115,8 @@ exit status:
 
             # One read of every file instead of two (the timeline's, then the rows').
             try:
-                spooled = SpooledSteps(recording)
+                with reading_recording():
+                    spooled = SpooledSteps(recording)
             except OSError as exc:
                 _say(describe_error(exc))
                 return EXIT_UNREADABLE
@@ -126,7 +128,8 @@ exit status:
         ):
             _say(f"note: {problem}")
         try:
-            written = _write(args, recording, findings, timeline, spooled)
+            with reading_recording():
+                written = _write(args, recording, findings, timeline, spooled)
         except BrokenPipeError:
             raise  # `| head`: main() treats the reader going away as success
         except OSError as exc:

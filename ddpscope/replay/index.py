@@ -38,6 +38,7 @@ from ddpscope.analysis.snapshot import FindingView
 from ddpscope.analysis.sources import TICK_NS, fit_history
 from ddpscope.record import index as index_file
 from ddpscope.record.clocks import HostClocks
+from ddpscope.record.collect import reading_recording
 from ddpscope.record.format import SUFFIX, RecordError
 from ddpscope.record.reader import RankFile, RunDir, writers_alive
 from ddpscope.replay import cache
@@ -246,7 +247,9 @@ class RecordingIndex:
             if self._use_cache and self._load_cached():
                 return
             files = index_file.stamps(self.run.path) if self._use_cache else []
-            if self._pass() and self._use_cache and not self._stop.is_set():
+            with reading_recording():
+                whole = self._pass()
+            if whole and self._use_cache and not self._stop.is_set():
                 meta, arrays = self._to_file(files, self._cache_key)
                 self.saved_to = index_file.save(self.run.path, meta, arrays)
         except Exception as exc:  # the replay must show what it has, and why it stopped
