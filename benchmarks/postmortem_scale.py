@@ -17,6 +17,9 @@ from the start of the work to its result, with that process's peak RSS
   index loaded whole (every finding known, seeks anywhere)
 - read only: every record scanned and CRC-checked; decoded too (no analysis):
   where the report's time goes
+- stream: the report's merged stream alone (decode, each file's reorder
+  window, the merge by time); analysis: that stream through the analysis
+  (every detector, the ticks), without the report's own figures
 
 MB/s is the recording's size over the reader's time; with --runs N, each
 figure is the median of N fresh processes, with the range of the times.
@@ -47,7 +50,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WHAT = ("read", "decode", "report", "export", "csv", "compare", "replay_first", "replay_cached")
+WHAT = (
+    "read",
+    "decode",
+    "stream",
+    "analysis",
+    "report",
+    "export",
+    "csv",
+    "compare",
+    "replay_first",
+    "replay_cached",
+)
 
 
 def peak_rss_mb() -> float:
@@ -77,6 +91,28 @@ def one(what: str, directory: str) -> dict[str, float]:
                     decode(payload)
                 n += 1
         out["records"] = n
+    elif what in ("stream", "analysis"):
+        from ddpscope.analysis.build import build_analysis
+        from ddpscope.analysis.monitor import MAX_HISTORY
+        from ddpscope.analysis.protocol import recorded
+        from ddpscope.analysis.sources import fit_history, replay, run_shifts
+        from ddpscope.record.collect import reading_recording
+        from ddpscope.record.reader import choose_run
+        from ddpscope.record.stream import RunStream
+
+        run = choose_run(directory)
+        shifts = run_shifts(run)
+        with reading_recording():
+            if what == "stream":
+                out["records"] = sum(1 for _ in RunStream(run, shifts))
+            else:
+                analysis = build_analysis(recorded(False, None), None, history=MAX_HISTORY)
+                replay(
+                    RunStream(run, shifts),
+                    analysis,
+                    shifts=shifts,
+                    on_feed=lambda msg, state: fit_history(state),
+                )
     elif what == "report":
         from ddpscope.analysis import report
 
