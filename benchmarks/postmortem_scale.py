@@ -77,7 +77,7 @@ def peak_rss_mb() -> float:
 def one(what: str, directory: str) -> dict[str, float]:
     """Run one reader here; seconds and extra figures."""
     # Whether an index file was there when the reader began (export reads through it).
-    there = os.path.exists(os.path.join(directory, ".ddpscope-index"))
+    there = any(Path(directory).rglob(".ddpscope-index"))
     began = time.perf_counter()
     out: dict[str, float] = {"index_there": float(there)}
     if what in ("read", "decode"):
