@@ -17,12 +17,23 @@ from the start of the work to its result, with that process's peak RSS
   index loaded whole (every finding known, seeks anywhere)
 - read only: every record scanned and CRC-checked; decoded too (no analysis):
   where the report's time goes
+- stream: the report's merged stream alone (decode, each file's reorder
+  window, the merge by time); analysis: that stream through the analysis
+  (every detector, the ticks), without the report's own figures
 
 MB/s is the recording's size over the reader's time; with --runs N, each
 figure is the median of N fresh processes, with the range of the times.
+Each reader's CPU seconds (user + system) are given too: on this shared
+machine they move far less with the load than the wall time does.
+
+--derive writes the recording with replay_open.write_derived instead (16
+ranks simulated, the others repeating them under their own rank numbers: a
+1,024 x 10,000 recording in under a minute instead of most of an hour).
 
     python -m benchmarks.postmortem_scale --world 1024 --steps 500      # JSON on stdout
     python -m benchmarks.postmortem_scale --dir /tmp/pm1024 --only report --runs 3
+    python -m benchmarks.postmortem_scale --dir /tmp/pm10k --steps 10000 --derive \
+        --only replay_first --only replay_cached
 """
 
 from __future__ import annotations
@@ -39,7 +50,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-WHAT = ("read", "decode", "report", "export", "csv", "compare", "replay_first", "replay_cached")
+WHAT = (
+    "read",
+    "decode",
+    "stream",
+    "analysis",
+    "report",
+    "export",
+    "csv",
+    "compare",
+    "replay_first",
+    "replay_cached",
+)
 
 
 def peak_rss_mb() -> float:
@@ -54,8 +76,10 @@ def peak_rss_mb() -> float:
 
 def one(what: str, directory: str) -> dict[str, float]:
     """Run one reader here; seconds and extra figures."""
+    # Whether an index file was there when the reader began (export reads through it).
+    there = any(Path(directory).rglob(".ddpscope-index"))
     began = time.perf_counter()
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"index_there": float(there)}
     if what in ("read", "decode"):
         from ddpscope.record.reader import choose_run
         from ddpscope.schema import decode
@@ -67,6 +91,28 @@ def one(what: str, directory: str) -> dict[str, float]:
                     decode(payload)
                 n += 1
         out["records"] = n
+    elif what in ("stream", "analysis"):
+        from ddpscope.analysis.build import build_analysis
+        from ddpscope.analysis.monitor import MAX_HISTORY
+        from ddpscope.analysis.protocol import recorded
+        from ddpscope.analysis.sources import fit_history, replay, run_shifts
+        from ddpscope.record.collect import reading_recording
+        from ddpscope.record.reader import choose_run
+        from ddpscope.record.stream import RunStream
+
+        run = choose_run(directory)
+        shifts = run_shifts(run)
+        with reading_recording():
+            if what == "stream":
+                out["records"] = sum(1 for _ in RunStream(run, shifts))
+            else:
+                analysis = build_analysis(recorded(False, None), None, history=MAX_HISTORY)
+                replay(
+                    RunStream(run, shifts),
+                    analysis,
+                    shifts=shifts,
+                    on_feed=lambda msg, state: fit_history(state),
+                )
     elif what == "report":
         from ddpscope.analysis import report
 
@@ -115,13 +161,15 @@ def one(what: str, directory: str) -> dict[str, float]:
         out["findings_at_end"] = len(feed.index.findings_at(feed.index.t)[1])
         feed.stop()
     out["seconds"] = round(time.perf_counter() - began, 2)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = round(usage.ru_utime + usage.ru_stime, 2)
     out["peak_rss_mb"] = round(peak_rss_mb())
     return out
 
 
-def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
+def measure(what: str, directory: Path, size_mb: float, no_index: bool = False) -> dict[str, float]:
     child = ["--dir", str(directory), "--child", what]
-    if what == "replay_first":
+    if what == "replay_first" or (no_index and what != "replay_cached"):
         for old in directory.rglob(".ddpscope-index"):
             old.unlink()  # a first open has none (and writes it)
     proc = subprocess.run(
@@ -140,9 +188,11 @@ def measure(what: str, directory: Path, size_mb: float) -> dict[str, float]:
     return res
 
 
-def repeated(what: str, directory: Path, size_mb: float, runs: int) -> dict[str, object]:
+def repeated(
+    what: str, directory: Path, size_mb: float, runs: int, no_index: bool = False
+) -> dict[str, object]:
     """``runs`` fresh processes: the median of each figure, and the seconds' range."""
-    results = [measure(what, directory, size_mb) for _ in range(runs)]
+    results = [measure(what, directory, size_mb, no_index) for _ in range(runs)]
     if runs == 1:
         return dict(results[0])
     out: dict[str, object] = {key: statistics.median(r[key] for r in results) for key in results[0]}
@@ -163,28 +213,35 @@ def main() -> None:
     ap.add_argument("--buckets", type=int, default=8)
     ap.add_argument("--only", action="append", choices=WHAT, help="these readers (repeatable)")
     ap.add_argument("--runs", type=int, default=1, help="fresh processes per reader (median)")
+    ap.add_argument("--derive", action="store_true", help="write it with write_derived (fast)")
+    ap.add_argument(
+        "--no-index",
+        action="store_true",
+        help="remove the index file before each reader (but replay_cached): export as without one",
+    )
     ap.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one(args.child, args.dir)))
         return
-    from benchmarks.replay_open import write_recording
+    from benchmarks.replay_open import write_derived, write_recording
 
     directory = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-postmortem-"))
     out: dict[str, object] = {"world": args.world, "steps": args.steps, "buckets": args.buckets}
     stamp = directory / "complete"
-    want = f"{args.world} {args.steps} {args.buckets}\n"
+    want = f"{args.world} {args.steps} {args.buckets}{' derived' if args.derive else ''}\n"
     if not stamp.exists() or stamp.read_text() != want:
         for old in directory.rglob("*.ddps"):
             old.unlink()
         began = time.perf_counter()
-        write_recording(directory, args.world, args.steps, args.buckets)
+        write = write_derived if args.derive else write_recording
+        write(directory, args.world, args.steps, args.buckets)
         stamp.write_text(want)
         out["write_s"] = round(time.perf_counter() - began, 1)
     size_mb = sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20
     out["recording_mb"] = round(size_mb)
     for what in args.only or WHAT:
-        out[what] = repeated(what, directory, size_mb, args.runs)
+        out[what] = repeated(what, directory, size_mb, args.runs, args.no_index)
         print(what, json.dumps(out[what]), file=sys.stderr, flush=True)
     out["dir"] = str(directory)
     out["cpu_count"] = os.cpu_count()

@@ -17,6 +17,7 @@ this process:
 
     python -m benchmarks.replay_open                      # JSON on stdout
     python -m benchmarks.replay_open --dir /tmp/rec64 --seeks 30
+    python -m benchmarks.replay_open --world 1024 --steps 10000 --derive   # see write_derived
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import msgpack
 import psutil
 
 from ddpscope.analysis.snapshot import SnapshotRequest
@@ -40,7 +42,7 @@ from ddpscope.record.writer import RecordWriter
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.player import ReplayFeed
 from ddpscope.schema import End, encode
-from tests.support.synth import MS, Phases, healthy, lockstep, run_infos, straggler
+from tests.support.synth import MS, Phases, healthy, lockstep, run_info, run_infos, straggler
 
 RUN = "bench-replay"
 BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)
@@ -84,6 +86,81 @@ def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Pa
     end = last_t + 10 * MS
     write([End(run=RUN, rank=r, t=end, step=steps, reason="exit") for r in range(world)])
     for w in writers.values():
+        w.close()
+    return directory
+
+
+#: Distinct ranks simulated by ``write_derived``; every other rank repeats one of them.
+TEMPLATES = 16
+_RANK_KEY = msgpack.packb("rank")
+
+
+def _with_rank(payload: bytes, was: int, rank: bytes) -> bytes:
+    """``payload`` (a message of rank ``was`` < 128) as rank ``rank`` (packed) sent it:
+    the one "rank" key's value swapped, nothing else touched."""
+    i = payload.find(_RANK_KEY)
+    j = i + len(_RANK_KEY)
+    # Exactly one such key, followed by its one-byte value: else this is not a
+    # message this function may patch.
+    if i < 0 or payload[j] != was or payload.find(_RANK_KEY, j) >= 0:
+        raise ValueError("not a message with one small rank field")
+    return payload[:j] + rank + payload[j + 1 :]
+
+
+def write_derived(
+    directory: Path, world: int, steps: int, buckets: int, templates: int = TEMPLATES
+) -> Path:
+    """The recording of ``write_recording``'s kind, fast enough for 1,024 x 10,000.
+
+    ``templates`` ranks are simulated in lockstep (the first one the straggler);
+    rank ``world // 2`` sends what the straggler sent, every other rank what one
+    of the healthy ones sent, with its own rank number. Every bucket's
+    all-reduce ends at the same time on every template, so the derived ranks
+    are one lockstep run too, and each file is what a rank of ``world`` could
+    have written (its own run info, rank, sequence numbers, header). Simulating
+    and encoding 16 ranks instead of 1,024 takes the time from most of an hour
+    to about the time the disk needs.
+    """
+    k = max(1, min(templates, world))
+    rng = random.Random(0)
+    timing = straggler(healthy(rng, BASE), rank=0, start=steps * 6 // 10, factor=1.6)
+    slow = world // 2
+    source = [0 if r == slow or k == 1 else 1 + r % (k - 1) for r in range(world)]
+    packed = [msgpack.packb(r) for r in range(world)]
+    writers: list[RecordWriter] = []
+    for r in range(world):
+        info = run_info(r, world, run=RUN)
+        header = {"run_id": RUN, "rank": r, "mono_ns": info.t}
+        header["wall_ns"] = 1_700_000_000_000_000_000 + info.t
+        w = RecordWriter(str(directory), RUN, r, header)
+        w.append(encode(dataclasses.replace(info, seq=0)))
+        writers.append(w)
+    seq = 1  # every rank sends the same kinds in the same order: one count serves all
+    start = 1_000 * MS
+    last_t = 0
+    for first in range(0, steps, CHUNK):
+        chunk = lockstep(
+            k,
+            min(CHUNK, steps - first),
+            timing,
+            run=RUN,
+            buckets=buckets,
+            first_step=first,
+            start_ns=start,
+            heartbeat_every=10,
+        )
+        own: list[list[bytes]] = [[] for _ in range(k)]
+        for m in chunk:
+            own[m.rank].append(encode(dataclasses.replace(m, seq=seq + len(own[m.rank]))))
+        seq += len(own[0])
+        for r, w in enumerate(writers):
+            was, rank = source[r], packed[r]
+            w.append_many([_with_rank(p, was, rank) for p in own[was]])
+        last_t = max(m.t for m in chunk)
+        start = last_t + 1
+    end = last_t + 10 * MS
+    for r, w in enumerate(writers):
+        w.append(encode(End(run=RUN, rank=r, t=end, step=steps, reason="exit", seq=seq)))
         w.close()
     return directory
 
@@ -139,6 +216,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--buckets", type=int, default=8)
     ap.add_argument("--seeks", type=int, default=20)
+    ap.add_argument("--derive", action="store_true", help="write it with write_derived (fast)")
     args = ap.parse_args()
     directory = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-replay-bench-"))
     out: dict[str, object] = {"world": args.world, "steps": args.steps, "buckets": args.buckets}
@@ -146,7 +224,8 @@ def main() -> None:
         for old in directory.rglob("*.ddps"):
             old.unlink()
         began = time.perf_counter()
-        write_recording(directory, args.world, args.steps, args.buckets)
+        write = write_derived if args.derive else write_recording
+        write(directory, args.world, args.steps, args.buckets)
         (directory / "complete").write_text(f"{args.world} {args.steps} {args.buckets}\n")
         out["write_s"] = round(time.perf_counter() - began, 1)
     out["recording_mb"] = round(sum(p.stat().st_size for p in directory.rglob("*.ddps")) / 2**20)

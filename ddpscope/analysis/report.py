@@ -34,6 +34,7 @@ from ddpscope.analysis.sources import fit_history, replay, run_shifts
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.analysis.streamstats import RankTally, RecordingSummary, WaitSample
 from ddpscope.analysis.wording import NS, error_line
+from ddpscope.record.collect import reading_recording
 from ddpscope.record.reader import Recording, RunDir, choose_run, find_runs, writers_alive
 from ddpscope.record.stream import LazyRecording, RunStream, first_run_info
 from ddpscope.schema import End, Heartbeat, Message
@@ -94,10 +95,11 @@ def analyze(
             observe(msg, state)
 
     try:
-        replay(stream, analysis, shifts=shifts, on_feed=fed)
-        summary = RecordingSummary(run, stream, tally)
-        if not writers_alive(run, summary.ended):
-            end_of_stream(analysis)
+        with reading_recording():
+            replay(stream, analysis, shifts=shifts, on_feed=fed)
+            summary = RecordingSummary(run, stream, tally)
+            if not writers_alive(run, summary.ended):
+                end_of_stream(analysis)
     except BaseException:
         tally.close()
         raise

@@ -51,7 +51,12 @@ CollKey = tuple[str, str, str, str]
 
 
 class Spill:
-    """Per key, ``width`` columns of numbers of one type, on disk past a budget."""
+    """Per key, ``width`` columns of numbers of one type, on disk past a budget.
+
+    A key's buffered values are kept row after row in one flat array (one
+    ``extend`` per row, the cheap call on the report's per-step path); the file
+    holds them column after column, so a column is read back alone.
+    """
 
     def __init__(self, width: int, typecode: str, budget_bytes: int | None = None) -> None:
         self.width = width
@@ -59,18 +64,19 @@ class Spill:
         self._item = array(typecode).itemsize
         budget = SPILL_BYTES if budget_bytes is None else budget_bytes
         self._limit = max(width, budget // self._item)
-        self._buf: dict[int, list[array]] = {}
+        self._buf: dict[int, array] = {}
         self._chunks: dict[int, list[tuple[int, int]]] = {}
         self._counts: Counter[int] = Counter()
         self._buffered = 0
         self._file: IO[bytes] | None = None
 
     def add(self, key: int, values: Sequence[float]) -> None:
-        cols = self._buf.get(key)
-        if cols is None:
-            cols = self._buf[key] = [array(self.typecode) for _ in range(self.width)]
-        for col, v in zip(cols, values, strict=True):
-            col.append(v)
+        if len(values) != self.width:
+            raise ValueError(f"{len(values)} values where a row has {self.width}")
+        rows = self._buf.get(key)
+        if rows is None:
+            rows = self._buf[key] = array(self.typecode)
+        rows.extend(values)
         self._counts[key] += 1
         self._buffered += self.width
         if self._buffered >= self._limit:
@@ -88,26 +94,28 @@ class Spill:
             self._file = tempfile.TemporaryFile(prefix="ddpscope-report-")  # noqa: SIM115
         f = self._file
         f.seek(0, 2)
-        for key, cols in self._buf.items():
-            n = len(cols[0])
-            if not n:
+        w = self.width
+        for key, rows in self._buf.items():
+            if not rows:
                 continue
-            self._chunks.setdefault(key, []).append((f.tell(), n))
-            for col in cols:
-                col.tofile(f)
-                del col[:]
+            self._chunks.setdefault(key, []).append((f.tell(), len(rows) // w))
+            for c in range(w):
+                rows[c::w].tofile(f)
+            del rows[:]
         self._buffered = 0
 
     def column(self, key: int, c: int) -> array:
         """Every value of column ``c`` for ``key``, in the order added."""
+        if c < 0 or c >= self.width:
+            raise IndexError(f"column {c} of {self.width}")
         out = array(self.typecode)
         for offset, n in self._chunks.get(key, ()):
             assert self._file is not None
             self._file.seek(offset + c * n * self._item)
             out.fromfile(self._file, n)
-        cols = self._buf.get(key)
-        if cols is not None:
-            out.extend(cols[c])
+        rows = self._buf.get(key)
+        if rows is not None:
+            out.extend(rows[c :: self.width])
         return out
 
     def close(self) -> None:

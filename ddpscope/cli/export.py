@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the real imports wait for run(): building the parser stays 
     from ddpscope.analysis.engine import Analysis
     from ddpscope.analysis.findings import Finding
     from ddpscope.export import Readable, Timeline
+    from ddpscope.export.spooled import SpooledSteps
 
 #: Exit status when the output file cannot be written.
 EXIT_UNWRITABLE = 1
@@ -72,6 +73,7 @@ exit status:
 
     def run(self, args: argparse.Namespace) -> int:
         from ddpscope.analysis import report
+        from ddpscope.record.collect import reading_recording
         from ddpscope.record.reader import RecordError, choose_run, find_runs
         from ddpscope.record.stream import LazyRecording
 
@@ -104,9 +106,21 @@ exit status:
         scans = summary.stream.earliest() if summary is not None else None
         kinds = frozenset(("step",) if args.format == "csv" else ("step", "heartbeat"))
         fast = indexed(run, kinds)
+        spooled = None
         if fast is not None:
             recording = fast
             scans = scans if scans is not None else fast.scans()
+        elif args.format == "csv":
+            from ddpscope.export.spooled import SpooledSteps
+
+            # One read of every file instead of two (the timeline's, then the rows').
+            try:
+                with reading_recording():
+                    spooled = SpooledSteps(recording)
+            except OSError as exc:
+                _say(describe_error(exc))
+                return EXIT_UNREADABLE
+            scans = spooled.scans
         timeline = Timeline(recording, scans)
         for problem in (
             report.problems(summary if summary is not None else recording, analysis)
@@ -114,12 +128,16 @@ exit status:
         ):
             _say(f"note: {problem}")
         try:
-            written = _write(args, recording, findings, timeline)
+            with reading_recording():
+                written = _write(args, recording, findings, timeline, spooled)
         except BrokenPipeError:
             raise  # `| head`: main() treats the reader going away as success
         except OSError as exc:
             _say(f"cannot write {args.output}: {exc.strerror or exc}")
             return EXIT_UNWRITABLE
+        finally:
+            if spooled is not None:
+                spooled.close()
         if args.output != "-":
             _say(f"run {recording.run.run_id}: wrote {written} to {args.output}")
         return 0
@@ -137,20 +155,24 @@ def _findings(analysis: Analysis, run_id: str) -> list[Finding]:
 
 
 def _write(
-    args: argparse.Namespace, recording: Readable, findings: list[Finding], timeline: Timeline
+    args: argparse.Namespace,
+    recording: Readable,
+    findings: list[Finding],
+    timeline: Timeline,
+    spooled: SpooledSteps | None = None,
 ) -> str:
     if args.output == "-":
-        return _emit(args.format, recording, findings, timeline, sys.stdout)
+        return _emit(args.format, recording, findings, timeline, sys.stdout, spooled)
     if os.path.exists(args.output) and not os.path.isfile(args.output):
         # A pipe or a device (/dev/stdout): written in place, never replaced.
         with open(args.output, "w", encoding="utf-8", newline="") as out:
-            return _emit(args.format, recording, findings, timeline, out)
+            return _emit(args.format, recording, findings, timeline, out, spooled)
     # Written aside and renamed, so that a failed export never leaves half a file
     # where a previous good one was.
     partial = f"{args.output}.partial-{os.getpid()}"
     try:
         with open(partial, "w", encoding="utf-8", newline="") as out:
-            written = _emit(args.format, recording, findings, timeline, out)
+            written = _emit(args.format, recording, findings, timeline, out, spooled)
         os.replace(partial, args.output)
     except BaseException:
         try:
@@ -162,12 +184,17 @@ def _write(
 
 
 def _emit(
-    fmt: str, recording: Readable, findings: list[Finding], timeline: Timeline, out: TextIO
+    fmt: str,
+    recording: Readable,
+    findings: list[Finding],
+    timeline: Timeline,
+    out: TextIO,
+    spooled: SpooledSteps | None = None,
 ) -> str:
     if fmt == "csv":
         from ddpscope.export.table import write_csv
 
-        n = write_csv(recording, out, timeline)
+        n = write_csv(recording, out, timeline, spooled.figures if spooled else None)
         return f"{n} rows"
     from ddpscope.export.chrome import write_chrome_trace
 

@@ -8,11 +8,11 @@ lists the columns.
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterator
-from typing import TextIO
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO
 
 from ddpscope.export import Readable, Timeline, fixed
-from ddpscope.schema import Step
+from ddpscope.schema import Message, Step
 
 COLUMNS: tuple[str, ...] = (
     "rank",
@@ -43,47 +43,103 @@ COLUMNS: tuple[str, ...] = (
 )
 
 
-def rows(recording: Readable, timeline: Timeline | None = None) -> Iterator[list[object]]:
-    """The table's rows (without the header), by rank, then model, then step start."""
+#: What a row takes from a step, unformatted (see :func:`figures`).
+Figures = tuple[Any, ...]
+
+
+def figures(s: Step) -> Figures:
+    """The step's numbers a row shows, before formatting: (model, t_start) first, the
+    order rows sort in within a rank."""
+    return (
+        s.model,
+        s.t_start,
+        s.step,
+        s.epoch,
+        s.t_end - s.t_start,
+        s.data_ns,
+        s.forward_ns,
+        s.backward_ns,
+        s.optimizer_ns,
+        s.other_ns,
+        s.comm_wait_ns,
+        len(s.b_index),
+        # -1 marks an all-reduce not complete when the step was sent.
+        sum(d for d in s.b_dur_ns if d >= 0),
+        s.micro_batches,
+        s.optimizer_steps,
+        s.clock,
+        s.sync_wait_ns,
+        s.coll_wait_ns,
+        len(s.c_op) + s.c_more,
+        int(s.join),
+    )
+
+
+def sort_key(f: Figures) -> tuple[object, object]:
+    return f[0], f[1]
+
+
+def rank_figures(msgs: Iterable[Message]) -> list[Figures]:
+    """A rank's steps as figures, in row order (a stable sort of file order)."""
+    out = [figures(m) for m in msgs if isinstance(m, Step)]
+    out.sort(key=sort_key)
+    return out
+
+
+def rows(
+    recording: Readable,
+    timeline: Timeline | None = None,
+    by_rank: Callable[[int], list[Figures]] | None = None,
+) -> Iterator[list[object]]:
+    """The table's rows (without the header), by rank, then model, then step start.
+
+    ``by_rank(rank)``: that rank's figures in row order, gathered elsewhere (by
+    default read from the rank's messages)."""
     tl = timeline if timeline is not None else Timeline(recording)
+    if by_rank is None:
+        by_rank = lambda rank: rank_figures(recording.messages[rank])  # noqa: E731
     for rank in sorted(tl.ranks):
         host = tl.ranks[rank].host
-        steps = [m for m in recording.messages[rank] if isinstance(m, Step)]
-        steps.sort(key=lambda s: (s.model, s.t_start))
-        for s in steps:
+        for f in by_rank(rank):
+            (model, t_start, step, epoch, span, data, fwd, bwd, opt, other, comm) = f[:11]
+            (buckets, allreduce, micro, opt_steps, clock, sync, coll, colls, join) = f[11:]
             yield [
                 rank,
                 host,
-                s.step,
-                s.epoch,
-                fixed(tl.rel_ns(rank, s.t_start), 9),
-                fixed(s.t_end - s.t_start, 6),
-                fixed(s.data_ns, 6),
-                fixed(s.forward_ns, 6),
-                fixed(s.backward_ns, 6),
-                fixed(s.optimizer_ns, 6),
-                fixed(s.other_ns, 6),
-                fixed(s.comm_wait_ns, 6),
-                len(s.b_index),
-                # -1 marks an all-reduce not complete when the step was sent.
-                fixed(sum(d for d in s.b_dur_ns if d >= 0), 6),
-                s.micro_batches,
-                s.optimizer_steps,
-                s.clock,
-                s.model,
-                fixed(s.sync_wait_ns, 6),
-                fixed(s.coll_wait_ns, 6),
-                len(s.c_op) + s.c_more,
-                int(s.join),
+                step,
+                epoch,
+                fixed(tl.rel_ns(rank, t_start), 9),
+                fixed(span, 6),
+                fixed(data, 6),
+                fixed(fwd, 6),
+                fixed(bwd, 6),
+                fixed(opt, 6),
+                fixed(other, 6),
+                fixed(comm, 6),
+                buckets,
+                fixed(allreduce, 6),
+                micro,
+                opt_steps,
+                clock,
+                model,
+                fixed(sync, 6),
+                fixed(coll, 6),
+                colls,
+                join,
             ]
 
 
-def write_csv(recording: Readable, out: TextIO, timeline: Timeline | None = None) -> int:
+def write_csv(
+    recording: Readable,
+    out: TextIO,
+    timeline: Timeline | None = None,
+    by_rank: Callable[[int], list[Figures]] | None = None,
+) -> int:
     """Write the header and every row to ``out`` (opened with newline=""); returns the rows."""
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(COLUMNS)
     n = 0
-    for row in rows(recording, timeline):
+    for row in rows(recording, timeline, by_rank):
         writer.writerow(row)
         n += 1
     return n

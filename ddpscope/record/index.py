@@ -26,6 +26,7 @@ where that directory cannot be written, under the user's cache directory
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import struct
 import sys
@@ -77,9 +78,14 @@ def places(run_path: str) -> list[str]:
     return [os.path.join(run_path, NAME), os.path.join(base, "ddpscope", "index", digest)]
 
 
-def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[str]]:
+def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
     """(meta, arrays, notes) of a current index of ``run_path``; meta None when there
-    is none to use (the notes say why, for an index that is there but cannot be)."""
+    is none to use (the notes say why, for an index that is there but cannot be).
+
+    The arrays are read-only views of the file, mapped into memory (typed
+    memoryviews: indexed, sliced, bisected and compared like the arrays saved):
+    opening a big run's index reads only its meta, and memory holds only the
+    pages a reader touches, so neither grows with the recording."""
     notes: list[str] = []
     now = [s.__dict__ for s in stamps(run_path)]
     for path in places(run_path):
@@ -100,9 +106,9 @@ def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, array], list[s
     return None, {}, notes
 
 
-def _read(f: BinaryIO) -> tuple[dict[str, Any], dict[str, array]]:
-    """Meta and arrays; each array read straight into place (an index of a big run
-    is hundreds of MB: never held twice)."""
+def _read(f: BinaryIO) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Meta and arrays, each array a view of the file mapped into memory (an index of
+    a big run is hundreds of MB: never read whole)."""
     head = f.read(_HEAD.size)
     if len(head) < _HEAD.size or not head.startswith(MAGIC):
         raise ValueError("not a ddpscope index")
@@ -125,18 +131,36 @@ def _read(f: BinaryIO) -> tuple[dict[str, Any], dict[str, array]]:
         raise ValueError("written on another kind of machine")
     blobs = f.tell()
     size = os.fstat(f.fileno()).st_size
-    arrays: dict[str, array] = {}
-    try:
-        for key, (code, offset, count) in (meta.get("arrays") or {}).items():
-            a = array(code)
-            if blobs + offset + count * a.itemsize > size:
-                raise ValueError("cut short")
-            f.seek(blobs + offset)
-            a.fromfile(f, count)
-            arrays[key] = a
-    except (TypeError, EOFError) as exc:
-        raise ValueError(f"array list is corrupt: {exc}") from None
+    # The file is only ever replaced whole (save renames a new one over it), never
+    # changed in place, so the mapping stays what was checked.
+    whole = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    arrays: dict[str, Any] = {}
+    for key, (code, offset, count) in _layout(meta):
+        start = blobs + offset
+        end = start + count * array(code).itemsize
+        if offset < 0 or count < 0 or end > size:
+            raise ValueError("cut short")
+        arrays[key] = whole[start:end].cast(code)  # type: ignore[call-overload]
     return meta, arrays
+
+
+#: Typecodes an index's arrays may have (array's, all of them memoryview's too).
+_CODES = frozenset("bBhHiIlLqQfd")
+
+
+def _layout(meta: dict[str, Any]) -> list[tuple[str, tuple[str, int, int]]]:
+    """(key, (typecode, offset, count)) of each array the meta lists."""
+    try:
+        out = [
+            (key, (str(code), int(offset), int(count)))
+            for key, (code, offset, count) in (meta.get("arrays") or {}).items()
+        ]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"array list is corrupt: {exc}") from None
+    for key, (code, _, _) in out:
+        if code not in _CODES:
+            raise ValueError(f"array list is corrupt: {key} has typecode {code!r}")
+    return out
 
 
 def save(run_path: str, meta: dict[str, Any], arrays: dict[str, array]) -> str | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import random
 import socket
+import tracemalloc
+from bisect import bisect_right
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,29 @@ def test_a_run_still_being_written_is_not_saved(tmp_path: Path) -> None:
     run = write_run(tmp_path, msgs, host=socket.gethostname(), pid=os.getpid())
     ix = indexed(run)
     assert ix.saved_to is None and not (run / index_file.NAME).exists()
+
+
+def test_opening_an_index_reads_its_meta_not_its_arrays(tmp_path: Path) -> None:
+    # A 1,024-rank x 10,000-step run's index holds ~450 MB of arrays: an open that
+    # read them would cost that memory before the first screen.
+    from array import array
+
+    run = tmp_path / "run"
+    run.mkdir()
+    big = array("q", range(2_000_000))  # 16 MB
+    assert index_file.save(str(run), {"files": []}, {"big": big, "d": array("d", [0.5, 2.0])})
+    tracemalloc.start()
+    try:
+        meta, arrays, notes = index_file.load(str(run))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert meta is not None and notes == []
+    assert peak < 1 << 20, peak
+    got = arrays["big"]
+    assert len(got) == len(big) and got == big
+    assert (got[0], got[1_234_567], list(got[-2:])) == (0, 1_234_567, [1_999_998, 1_999_999])
+    assert bisect_right(got, 1_000_000) == 1_000_001
+    assert list(arrays["d"]) == [0.5, 2.0]
+    with pytest.raises(TypeError):
+        got[0] = 1  # read-only: the file is never written through the map

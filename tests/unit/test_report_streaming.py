@@ -182,3 +182,25 @@ def test_report_memory_stays_flat_as_the_recording_doubles(
     # Four times the recording, at most a fifth more memory: what grows is one rank's
     # step times, sorted at the end (4,000 steps: ~0.15 MB).
     assert big < 1.2 * small, peaks
+
+
+def test_spilled_rows_read_back_column_by_column_in_the_order_added(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    spill = streamstats.Spill(3, "q", budget_bytes=200)  # to disk every ~8 rows
+    rows: dict[int, list[tuple[int, int, int]]] = {}
+    for _ in range(500):
+        key = rng.choice((7, 1, 4))
+        row = (rng.randrange(-(1 << 40), 1 << 40), rng.randrange(10), key)
+        rows.setdefault(key, []).append(row)
+        spill.add(key, row)
+    try:
+        assert spill.keys() == list(rows)
+        for key, added in rows.items():
+            assert spill.count(key) == len(added)
+            for c in range(3):
+                assert list(spill.column(key, c)) == [r[c] for r in added]
+        with pytest.raises(ValueError):
+            spill.add(7, (1, 2))  # a short row would shift every later one
+        assert spill.count(7) == len(rows[7])
+    finally:
+        spill.close()
