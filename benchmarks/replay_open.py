@@ -31,6 +31,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgpack
@@ -41,7 +42,7 @@ from ddpscope.record.reader import find_runs
 from ddpscope.record.writer import RecordWriter
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.player import ReplayFeed
-from ddpscope.schema import End, encode
+from ddpscope.schema import End, Message, encode
 from tests.support.synth import MS, Phases, healthy, lockstep, run_info, run_infos, straggler
 
 RUN = "bench-replay"
@@ -49,23 +50,39 @@ BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, 
 CHUNK = 100  # steps simulated at a time: the whole run would not fit in memory decoded
 
 
+class RankFiles:
+    """One record file per rank in ``directory``, opened at its first message."""
+
+    def __init__(self, directory: Path, run: str = RUN) -> None:
+        self.directory = directory
+        self.run = run
+        self._writers: dict[int, RecordWriter] = {}
+        self._seq: dict[int, int] = {}
+
+    def write(self, msgs: Iterable[Message]) -> None:
+        """Append each message to its rank's file, numbered in order (``seq``)."""
+        for m in msgs:
+            w = self._writers.get(m.rank)
+            if w is None:
+                header = {"run_id": self.run, "rank": m.rank, "mono_ns": m.t}
+                header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
+                w = RecordWriter(str(self.directory), self.run, m.rank, header)
+                self._writers[m.rank] = w
+            n = self._seq.get(m.rank, 0)
+            self._seq[m.rank] = n + 1
+            w.append(encode(dataclasses.replace(m, seq=n)))
+
+    def close(self) -> None:
+        for w in self._writers.values():
+            w.close()
+
+
 def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Path:
     rng = random.Random(0)
     timing = straggler(healthy(rng, BASE), rank=world // 2, start=steps * 6 // 10, factor=1.6)
-    writers: dict[int, RecordWriter] = {}
-    seq: dict[int, int] = {}
+    files = RankFiles(directory)
+    write = files.write
     last_t = 0
-
-    def write(msgs: list) -> None:  # type: ignore[type-arg]
-        for m in msgs:
-            w = writers.get(m.rank)
-            if w is None:
-                header = {"run_id": RUN, "rank": m.rank, "mono_ns": m.t}
-                header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
-                w = writers[m.rank] = RecordWriter(str(directory), RUN, m.rank, header)
-            n = seq.get(m.rank, 0)
-            seq[m.rank] = n + 1
-            w.append(encode(dataclasses.replace(m, seq=n)))
 
     write(run_infos(world, run=RUN))
     start = 1_000 * MS
@@ -85,8 +102,7 @@ def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Pa
         start = last_t + 1
     end = last_t + 10 * MS
     write([End(run=RUN, rank=r, t=end, step=steps, reason="exit") for r in range(world)])
-    for w in writers.values():
-        w.close()
+    files.close()
     return directory
 
 

@@ -24,12 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.replay_open import RankFiles
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.record.reader import find_runs
-from ddpscope.record.writer import RecordWriter
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.player import ReplayFeed
-from ddpscope.schema import End, Message, Step, encode
+from ddpscope.schema import End, Message, Step
 from tests.support.synth import MS, constant, lockstep, run_infos
 
 RUN = "bench-seek"
@@ -52,19 +52,9 @@ def write_recording(directory: Path, world: int, steps: int, every: int) -> Path
     ]
     end = max(m.t for m in msgs) + MS
     msgs += [End(run=RUN, rank=r, t=end, step=steps, reason="exit") for r in range(world)]
-    writers: dict[int, RecordWriter] = {}
-    seq: dict[int, int] = {}
-    for m in msgs:
-        w = writers.get(m.rank)
-        if w is None:
-            header = {"run_id": RUN, "rank": m.rank, "mono_ns": m.t}
-            header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
-            w = writers[m.rank] = RecordWriter(str(directory), RUN, m.rank, header)
-        n = seq.get(m.rank, 0)
-        seq[m.rank] = n + 1
-        w.append(encode(dataclasses.replace(m, seq=n)))
-    for w in writers.values():
-        w.close()
+    files = RankFiles(directory, RUN)
+    files.write(msgs)
+    files.close()
     return directory
 
 
