@@ -31,7 +31,6 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import msgpack
@@ -42,7 +41,8 @@ from ddpscope.record.reader import find_runs
 from ddpscope.record.writer import RecordWriter
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.player import ReplayFeed
-from ddpscope.schema import End, Message, encode
+from ddpscope.schema import End, encode
+from tests.support.rankfiles import RankFiles
 from tests.support.synth import MS, Phases, healthy, lockstep, run_info, run_infos, straggler
 
 RUN = "bench-replay"
@@ -50,37 +50,10 @@ BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, 
 CHUNK = 100  # steps simulated at a time: the whole run would not fit in memory decoded
 
 
-class RankFiles:
-    """One record file per rank in ``directory``, opened at its first message."""
-
-    def __init__(self, directory: Path, run: str = RUN) -> None:
-        self.directory = directory
-        self.run = run
-        self._writers: dict[int, RecordWriter] = {}
-        self._seq: dict[int, int] = {}
-
-    def write(self, msgs: Iterable[Message]) -> None:
-        """Append each message to its rank's file, numbered in order (``seq``)."""
-        for m in msgs:
-            w = self._writers.get(m.rank)
-            if w is None:
-                header = {"run_id": self.run, "rank": m.rank, "mono_ns": m.t}
-                header["wall_ns"] = 1_700_000_000_000_000_000 + m.t
-                w = RecordWriter(str(self.directory), self.run, m.rank, header)
-                self._writers[m.rank] = w
-            n = self._seq.get(m.rank, 0)
-            self._seq[m.rank] = n + 1
-            w.append(encode(dataclasses.replace(m, seq=n)))
-
-    def close(self) -> None:
-        for w in self._writers.values():
-            w.close()
-
-
 def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Path:
     rng = random.Random(0)
     timing = straggler(healthy(rng, BASE), rank=world // 2, start=steps * 6 // 10, factor=1.6)
-    files = RankFiles(directory)
+    files = RankFiles(directory, RUN)
     write = files.write
     last_t = 0
 

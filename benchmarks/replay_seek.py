@@ -24,12 +24,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.replay_open import RankFiles
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.record.reader import find_runs
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.player import ReplayFeed
 from ddpscope.schema import End, Message, Step
+from tests.support.rankfiles import RankFiles
 from tests.support.synth import MS, constant, lockstep, run_infos
 
 RUN = "bench-seek"

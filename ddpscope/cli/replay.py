@@ -39,6 +39,7 @@ examples:
 
 exit status:
   0  the UI was closed (or --list printed the runs)
+  1  more rank files than the open-file limit allows (the message says how to raise it)
   2  bad arguments, or no terminal to draw on
   3  DIR missing, holding no ddpscope recording, or only unreadable files
 """
@@ -108,12 +109,19 @@ def looks_unfinished(run: object) -> bool:
 def play(run: object, follow: bool, at_step: int | None, hang_after_s: float | None = None) -> int:
     from ddpscope.cli.lifeline import Lifeline
     from ddpscope.cli.watch import run_app, terminal_fd
+    from ddpscope.record.fdlimit import ensure_open_files
     from ddpscope.record.reader import RunDir
     from ddpscope.replay.index import RecordingIndex
     from ddpscope.replay.player import ReplayFeed
     from ddpscope.ui.replay import ReplayApp
 
     assert isinstance(run, RunDir)
+    try:
+        # Before the UI takes the terminal: said there, the reason would be lost.
+        ensure_open_files(2 * len(run.files))
+    except OSError as exc:
+        print(f"ddpscope replay: {exc.strerror}", file=sys.stderr)
+        return 1
     log = os.path.join(run.path, "job.log")  # where `ddpscope run` keeps the job's output
     feed = ReplayFeed(RecordingIndex(run, follow=follow, hang_after_s=hang_after_s))
     with feed, Lifeline(terminal_fd=terminal_fd()) as lifeline:

@@ -35,6 +35,7 @@ from ddpscope.analysis.handoff import SnapshotHandoff
 from ddpscope.analysis.monitor import FeedStats, Monitor
 from ddpscope.analysis.snapshot import SnapshotRequest
 from ddpscope.analysis.views import DETAIL_STEPS, SERIES_LEN, RunExtras
+from ddpscope.record.fdlimit import ensure_open_files
 from ddpscope.record.format import MAX_RECORD_BYTES, RECORD_HEAD, crc32
 from ddpscope.replay.index import KIND_CODE, RecordingIndex, Stream
 from ddpscope.schema import Message, SchemaError, decode
@@ -189,6 +190,12 @@ class ReplayFeed(SnapshotHandoff):
 
     def start(self) -> None:
         if not self._thread.is_alive() and not self._stop.is_set():
+            try:
+                # The feed keeps every rank's file open, the index pass one more each.
+                ensure_open_files(2 * len(self.index.run.files))
+            except OSError as exc:
+                self.error = str(exc.strerror)
+                return
             self._pass.start()
             self._thread.start()
 
