@@ -95,9 +95,15 @@ def _fingerprint() -> bytes:
 FINGERPRINT = _fingerprint()
 
 
+#: How every batch frame begins: a 6-item array whose first item is TAG.
+_PREFIX = b"\x96" + msgpack.packb(TAG)
+
+
 def is_batch(raw: bytes) -> bool:
-    """A frame that is a msgpack array (a batch, or junk): a rank's message is a map."""
-    return bool(raw) and (0x90 <= raw[0] <= 0x9F or raw[0] in (0xDC, 0xDD))
+    """A frame that says it is a relay batch. Anything else, junk that happens to
+    be a msgpack array included, goes to the message decoder and is refused there
+    with its own reason ("not a msgpack message", "not a map", ...)."""
+    return raw[:16] == _PREFIX
 
 
 # --- the relay's side ----------------------------------------------------------

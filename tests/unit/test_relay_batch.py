@@ -153,9 +153,24 @@ def test_a_batch_from_another_ddpscope_build_is_refused_whole_and_says_so() -> N
         msgpack.packb(["not-a-batch", 1, b"", "", [[], []], []]),
         msgpack.packb([1, 2, 3]),
         b"\x96\xc1\xc1",  # begins as an array, then is not msgpack
+        b"\x93not a message",
     ],
 )
-def test_a_frame_that_is_no_relay_batch_is_refused_whole(frame: bytes) -> None:
+def test_junk_that_is_a_msgpack_array_gets_the_decoders_reason_not_a_batchs(
+    frame: bytes,
+) -> None:
+    assert not is_batch(frame)
+    with pytest.raises(SchemaError) as err:
+        decode(frame)
+    assert err.value.reason != "relay batch"
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b"\xc1", b"\x01\xc4", msgpack.packb(["x"])],
+)
+def test_a_frame_that_begins_as_a_batch_and_is_not_one_is_refused_whole(tail: bytes) -> None:
+    frame = batch._PREFIX + tail
     assert is_batch(frame)
     with pytest.raises(SchemaError) as err:
         taken(frame)
