@@ -904,6 +904,20 @@ def _fast(spec: _Spec) -> Callable[[dict[Any, Any]], Any]:
 _FAST = {kind: _fast(spec) for kind, spec in _SPECS.items()}
 
 
+#: msgpack.unpackb for bytes from the network: every size bounded, maps keyed
+#: by strings. Callers add ``ext_hook`` (extension types are refused, each
+#: caller with its own reason) and ``max_bin_len``.
+unpack_untrusted = functools.partial(
+    msgpack.unpackb,
+    raw=False,
+    strict_map_key=True,
+    use_list=True,
+    max_str_len=MAX_STRING_BYTES,
+    max_array_len=MAX_TENSORS,
+    max_map_len=MAX_ITEMS,
+)
+
+
 def _no_ext(code: int, data: bytes) -> Any:
     # ddpscope never sends extension types; a namedtuple where a list is
     # expected only confuses readers.
@@ -915,17 +929,7 @@ def decode(buf: bytes) -> Message:
     if len(buf) > MAX_MESSAGE_BYTES:
         raise SchemaError("message too large", f"{len(buf)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        body = msgpack.unpackb(
-            buf,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            ext_hook=_no_ext,
-            max_str_len=MAX_STRING_BYTES,
-            max_bin_len=MAX_STRING_BYTES,
-            max_array_len=MAX_TENSORS,
-            max_map_len=MAX_ITEMS,
-        )
+        body = unpack_untrusted(buf, ext_hook=_no_ext, max_bin_len=MAX_STRING_BYTES)
     except SchemaError:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for malformed input

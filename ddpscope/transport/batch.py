@@ -43,8 +43,6 @@ from ddpscope import schema
 from ddpscope.schema import (
     MAX_ITEMS,
     MAX_MESSAGE_BYTES,
-    MAX_STRING_BYTES,
-    MAX_TENSORS,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
     Message,
@@ -294,17 +292,7 @@ def unpack(raw: bytes, out: list[Message], refused: Callable[[str, str], None]) 
     if len(raw) > MAX_MESSAGE_BYTES:
         raise SchemaError(BATCH_REASON, f"{len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        body = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-            ext_hook=_no_ext,
-            max_str_len=MAX_STRING_BYTES,
-            max_bin_len=MAX_MESSAGE_BYTES,
-            max_array_len=MAX_TENSORS,
-            max_map_len=MAX_ITEMS,
-        )
+        body = schema.unpack_untrusted(raw, ext_hook=_no_ext, max_bin_len=MAX_MESSAGE_BYTES)
     except SchemaError:
         raise
     except Exception as exc:  # msgpack raises a zoo of types for malformed input
