@@ -148,18 +148,12 @@ class _Process:
             h.fingerprinter.request()
 
     def _optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        for h in self.handles:  # guard() inlined: this runs on every optimizer step
-            try:
-                h.tracker.optimizer_pre(opt)
-            except Exception as exc:
-                h.failed(exc)
+        for h in self.handles:
+            h.guard(h.tracker.optimizer_pre, opt)
 
     def _optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         for h in self.handles:
-            try:
-                h.tracker.optimizer_post(opt)
-            except Exception as exc:
-                h.failed(exc)
+            h.guard(h.tracker.optimizer_post, opt)
 
     def _install_sigterm(self) -> None:
         # torchrun SIGTERMs the surviving ranks when one fails, and passes on a
@@ -392,14 +386,10 @@ class Handle:
         try:
             fn(*args)
         except Exception as exc:
-            self.failed(exc)
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.tracker.fail(exc)
             return False
         return True
-
-    def failed(self, exc: Exception) -> None:
-        """ddpscope's own code raised: say why and stop watching this model."""
-        self.error = f"{type(exc).__name__}: {exc}"
-        self.tracker.fail(exc)
 
     def _fingerprint(self, step: int, reason: str) -> None:
         if self.guard(self.fingerprinter.start, step, reason):

@@ -608,13 +608,14 @@ class Fingerprinter:
             return False  # every step's fast path: two comparisons
         reason = self.next_reason(step, median_step_ns)
         if reason is None:
-            n = self.interval(median_step_ns)
             if self.every == -1:
                 self._quiet_until = step + 8  # only a request starts one
-            elif n is not None and n > 1 and len(self._in_flight) < MAX_IN_FLIGHT:
-                # The next multiple of n, looked at again within 8 steps: the
-                # step median (and so n) moves at most every 8th step.
-                self._quiet_until = min(step - step % n + n, step + 8)
+            elif len(self._in_flight) < MAX_IN_FLIGHT:
+                n = self.interval(median_step_ns)
+                if n is not None and n > 1:
+                    # The next multiple of n, looked at again within 8 steps: the
+                    # step median (and so n) moves at most every 8th step.
+                    self._quiet_until = min(step - step % n + n, step + 8)
             return False
         self.pending_reason = reason
         return True

@@ -50,6 +50,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,8 @@ MAX_BUCKET_EVERY = 32
 
 #: Detailed steps whose hook cost the interval is chosen from (their median).
 _COST_SAMPLES = 5
+#: Steps whose median is the step time the sampling intervals read.
+_RECENT_STEPS = 32
 
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -144,10 +147,10 @@ class StepTracker:
         #: Buckets of this backward take the comm hook's untimed path: set while
         #: a backward of a step without detail runs (read by comm.timed_hook).
         self.cheap = False
-        #: Training-thread ns spent in the comm hook on the current detailed
-        #: step (written by comm.timed_hook), and its running estimate.
+        #: Wall ns spent in the comm hook on the current detailed step (written
+        #: by comm.timed_hook), and the last few detailed steps' values.
         self.detail_ns = 0
-        self._detail_costs: list[int] = []
+        self._detail_costs: deque[int] = deque(maxlen=_COST_SAMPLES)
         self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
         self._opt_relevant: dict[int, tuple[bool, bool, weakref.ref[Any]]] = {}
         self.optimizers: dict[int, Any] = {}
@@ -158,7 +161,7 @@ class StepTracker:
         self._layout_dtype: dict[int, str] = {}
         self._layout_dirty = False
         self._layout_step = 0
-        self._recent: list[int] = []
+        self._recent: deque[int] = deque(maxlen=_RECENT_STEPS)
         self._median = 0
         # Bound once: autograd gets these on every step, and a bound method
         # made per call is an allocation on the hot path.
@@ -238,8 +241,7 @@ class StepTracker:
             self._opt_gap = None
         if self._open and self._open[-1][0] == OPTIMIZER:
             self._open[-1][2] = True
-        if self._open:
-            self._suspend(t)
+        self._suspend(t)
         self._open.append([FORWARD, t, False])
         self._fwd_start = t
         self._fwd_sync = bool(getattr(module, "require_backward_grad_sync", True))
@@ -261,8 +263,7 @@ class StepTracker:
         if top is not None and top[0] == FORWARD:
             if top[1] is not None:
                 self._iv.append((FORWARD, top[1], t))
-            if self._open:
-                self._resume(t, after_backward=False)
+            self._resume(t, after_backward=False)
         elif top is not None:
             self._open.append(top)  # not ours to close (should not happen)
         self._prev_end = t
@@ -292,8 +293,7 @@ class StepTracker:
         if not self.enabled or self._bwd_start is not None:
             return
         self._bwd_start = self.stamp()
-        if self._open:
-            self._suspend(self._bwd_start)
+        self._suspend(self._bwd_start)
         self._bwd_sync = self._fwd_sync
         self.cheap = not self.detail
         self.state.enter("backward")
@@ -317,8 +317,7 @@ class StepTracker:
         self._bwd += 1
         if self._bwd_sync:
             self._synced = True
-        if self._open:
-            self._resume(t, after_backward=True)
+        self._resume(t, after_backward=True)
         self.state.enter("idle")
 
     # --- buckets (called by the comm hook wrapper) ---------------------------
@@ -456,12 +455,7 @@ class StepTracker:
         return known
 
     def optimizer_pre(self, opt: Any) -> None:
-        if not self.enabled:
-            return
-        known = self._opt_relevant.get(id(opt))
-        if known is None or known[2]() is not opt:
-            known = self._relevance(opt)
-        if not known[0]:
+        if not self.enabled or not self._relevance(opt)[0]:
             return
         if self._opt_start is None:
             t = self._opt_start = self.stamp()
@@ -470,18 +464,14 @@ class StepTracker:
             self._opt_gap = None
             if not self._open and self._prev_end is not None:
                 self._opt_gap = (self._prev_end, t)
-            if self._open:
-                self._suspend(t)
+            self._suspend(t)
             self._open.append([OPTIMIZER, t, False])
             self.state.enter("optimizer")
 
     def optimizer_post(self, opt: Any) -> None:
         if not self.enabled or self._opt_start is None:
             return
-        known = self._opt_relevant.get(id(opt))
-        if known is None or known[2]() is not opt:
-            known = self._relevance(opt)
-        relevant, covers_all = known[0], known[1]
+        relevant, covers_all, _ = self._relevance(opt)
         if not relevant:
             return
         t = self.stamp()
@@ -492,8 +482,7 @@ class StepTracker:
                     self._iv.append((OPTIMIZER, entry[1], t))
                 del self._open[i:]  # a forward left open inside it is over too
                 break
-        if self._open:
-            self._resume(t, after_backward=False)
+        self._resume(t, after_backward=False)
         self._opt_start = None
         self._opt_gap = None
         self._opt += 1
@@ -503,9 +492,6 @@ class StepTracker:
             self._close(t)
 
     # --- nesting ---------------------------------------------------------------
-
-    # Callers test ``self._open`` first: nesting is rare, and a call is not free
-    # on a path that runs several times a step.
 
     def _suspend(self, t: int) -> None:
         """A nested phase starts at ``t``: book the running one's time so far."""
@@ -567,9 +553,7 @@ class StepTracker:
         self.pub.post(Step.KIND, self.model_index, record, self.finish)
         recent = self._recent
         recent.append(self.clock.host_ns(end) - self.clock.host_ns(self._start))
-        if len(recent) > 32:
-            del recent[0]
-        if self.step % 8 == 0 or len(recent) < 32:
+        if self.step % 8 == 0 or len(recent) < _RECENT_STEPS:
             # Sorted every 8th step only: the consumers (sampling intervals)
             # react to trends, not to one step.
             ordered = sorted(recent)
@@ -605,8 +589,6 @@ class StepTracker:
             return
         costs = self._detail_costs
         costs.append(cost_ns)
-        if len(costs) > _COST_SAMPLES:
-            del costs[0]
         est = sorted(costs)[len(costs) // 2]
         median = self.median_step_ns()
         if median <= 0:
