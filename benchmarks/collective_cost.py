@@ -15,9 +15,7 @@ of that difference as its spread.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -28,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
 from benchmarks.table import print_rows
+from benchmarks.worldofone import world_of_one
 from ddpscope.hooks import attach as attach_mod
 from ddpscope.hooks import collectives, recipe
 
@@ -51,11 +50,7 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=31)
     p.add_argument("--calls", type=int, default=200)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["DDPSCOPE_ENDPOINT"] = f"ipc://{tmp}/sock"
-        os.environ["DDPSCOPE_CHECKSUM_EVERY"] = "-1"
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    with world_of_one():
         torch.manual_seed(0)
         model = DDP(nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)))
         ddpscope.attach(model)
@@ -111,7 +106,6 @@ def main() -> None:
                 }
             )
         attach_mod._reset_for_tests()
-        dist.destroy_process_group()
     print_rows(rows)
 
 

@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
-import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
+from benchmarks.worldofone import train_block, world_of_one
 from ddpscope.hooks import attach as attach_mod
 
 
@@ -44,11 +41,7 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=150)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["DDPSCOPE_ENDPOINT"] = f"ipc://{tmp}/sock"
-        os.environ["DDPSCOPE_CHECKSUM_EVERY"] = "-1"
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    with world_of_one():
         plain, watched = _make(), _make()
         handle = ddpscope.attach(watched, bucket_every=-1)
         assert isinstance(handle, attach_mod.Handle)
@@ -60,13 +53,7 @@ def main() -> None:
         x = torch.randn(4, 16)
 
         def block(m: DDP) -> float:
-            opt = opts[id(m)]
-            c = time.thread_time_ns()
-            for _ in range(args.steps):
-                m(x).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=False)
-            return (time.thread_time_ns() - c) / args.steps / 1e3
+            return train_block(m, opts[id(m)], x, args.steps)[1]
 
         block(watched)
         block(plain)
@@ -78,7 +65,6 @@ def main() -> None:
                 b, a = block(plain), block(watched)
             diffs.append(a - b)
         attach_mod._reset_for_tests()
-        dist.destroy_process_group()
     q = statistics.quantiles(diffs, n=4)
     out = {
         "mode": args.mode,

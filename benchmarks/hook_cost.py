@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
 from benchmarks.stats import bootstrap_ci, slope_ci
+from benchmarks.worldofone import train_block, world_of_one
 from ddpscope.hooks import attach as attach_mod
 
 
@@ -45,19 +42,6 @@ def make(layers: int, one_bucket: bool) -> DDP:
     return DDP(net, bucket_cap_mb=cap)
 
 
-def block(
-    model: DDP, opt: torch.optim.Optimizer, x: torch.Tensor, steps: int
-) -> tuple[float, float]:
-    """(wall, training-thread CPU) us per step."""
-    c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-    for _ in range(steps):
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    t1, c1 = time.perf_counter_ns(), time.thread_time_ns()
-    return (t1 - t0) / steps / 1e3, (c1 - c0) / steps / 1e3
-
-
 def measure(layers: int, one_bucket: bool, blocks: int, steps: int, every: int) -> dict:
     plain, watched = make(layers, one_bucket), make(layers, one_bucket)
     # every: 0 = defaults (the comm hook only where it fits the step), N = hook
@@ -67,12 +51,12 @@ def measure(layers: int, one_bucket: bool, blocks: int, steps: int, every: int) 
     opts = {id(m): torch.optim.SGD(m.parameters(), lr=1e-4) for m in (plain, watched)}
     x = torch.randn(4, 16)
     for m in (plain, watched):  # warm up, and let DDP rebuild its buckets
-        block(m, opts[id(m)], x, 50)
+        train_block(m, opts[id(m)], x, 50)
     got: dict[str, list[tuple[float, float]]] = {"with": [], "without": []}
     for i in range(blocks):
         order = (plain, watched) if i % 2 == 0 else (watched, plain)
         for m in order:
-            got["with" if m is watched else "without"].append(block(m, opts[id(m)], x, steps))
+            got["with" if m is watched else "without"].append(train_block(m, opts[id(m)], x, steps))
     buckets = len(tracker._layout) if tracker is not None else 0
     out: dict = {"layers": layers, "buckets": buckets}
     out["comm_hook"] = isinstance(handle, attach_mod.Handle) and handle.comm is not None
@@ -108,18 +92,11 @@ def main() -> None:
     p.add_argument("--record", action="store_true", help="the attached model records to disk")
     p.add_argument("--json", default="")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.environ["DDPSCOPE_ENDPOINT"] = f"ipc://{tmp}/sock"
-        os.environ["DDPSCOPE_CHECKSUM_EVERY"] = "-1"  # fingerprints are measured apart
-        if args.record:
-            os.environ["DDPSCOPE_RECORD"] = f"{tmp}/rec"
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    with world_of_one(record=args.record):  # fingerprints off: they are measured apart
         one = measure(args.layers, True, args.blocks, args.steps, args.every)
         attach_mod._reset_for_tests()
         many = measure(args.layers, False, args.blocks, args.steps, args.every)
         attach_mod._reset_for_tests()
-        dist.destroy_process_group()
     result: dict = {"one_bucket": one, "many_buckets": many, "record": args.record}
     for name in ("wall", "cpu"):
         per_bucket, per_bucket_ci = slope_ci(

@@ -13,14 +13,13 @@ then counted, among the samples of the training loop (the line calling
 from __future__ import annotations
 
 import argparse
-import os
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.worldofone import world_of_one
 
 
 def main() -> None:
@@ -30,18 +29,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--record", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(1)
-    tmp = tempfile.mkdtemp()
-    os.environ["DDPSCOPE_ENDPOINT"] = f"ipc://{tmp}/sock"
-    os.environ["DDPSCOPE_CHECKSUM_EVERY"] = "-1"
-    if args.record:
-        os.environ["DDPSCOPE_RECORD"] = f"{tmp}/rec"
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    with world_of_one(record=args.record):
+        loop(args.layers, args.buckets, args.seconds)
+
+
+def loop(layers: int, buckets: str, seconds: float) -> None:
     import ddpscope
 
     torch.manual_seed(0)
-    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(args.layers)])
-    model = DDP(net, bucket_cap_mb=25.0 if args.buckets == "one" else 1088 / 2**20)
+    net = nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+    model = DDP(net, bucket_cap_mb=25.0 if buckets == "one" else 1088 / 2**20)
     ddpscope.attach(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     x = torch.randn(4, 16)
@@ -51,10 +48,9 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=False)
 
-    end = time.monotonic() + args.seconds
+    end = time.monotonic() + seconds
     while time.monotonic() < end:
         step()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

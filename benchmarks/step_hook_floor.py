@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import (
@@ -32,6 +29,7 @@ from torch.optim.optimizer import (
 )
 
 from benchmarks.stats import bootstrap_ci
+from benchmarks.worldofone import train_block, world_of_one
 
 _queue = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -82,9 +80,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+    with world_of_one():
         models = {name: _make() for name in SIDES}
         for name, post in SIDES.items():
             if post is not None:
@@ -100,13 +96,7 @@ def main() -> None:
         x = torch.randn(4, 16)
 
         def block(name: str) -> float:
-            m, opt = models[name], opts[name]
-            c = time.thread_time_ns()
-            for _ in range(args.steps):
-                m(x).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=False)
-            return (time.thread_time_ns() - c) / args.steps / 1e3
+            return train_block(models[name], opts[name], x, args.steps)[1]
 
         names = list(SIDES)
         for name in names:
@@ -119,7 +109,6 @@ def main() -> None:
                 diffs[n].append(got[n] - got["plain"])
         for h in handles:
             h.remove()
-        dist.destroy_process_group()
     out = {
         n: {"cpu_us_per_step": statistics.median(d), "ci_us": bootstrap_ci(d)}
         for n, d in diffs.items()
