@@ -31,6 +31,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
@@ -41,23 +42,26 @@ from ddpscope.record.reader import find_runs
 from ddpscope.record.writer import RecordWriter
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.player import ReplayFeed
-from ddpscope.schema import End, encode
+from ddpscope.schema import End, Message, encode
 from tests.support.rankfiles import RankFiles
-from tests.support.synth import MS, Phases, healthy, lockstep, run_info, run_infos, straggler
+from tests.support.synth import (
+    MS,
+    Phases,
+    Timing,
+    healthy,
+    lockstep,
+    run_info,
+    run_infos,
+    straggler,
+)
 
 RUN = "bench-replay"
 BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)
 CHUNK = 100  # steps simulated at a time: the whole run would not fit in memory decoded
 
 
-def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Path:
-    rng = random.Random(0)
-    timing = straggler(healthy(rng, BASE), rank=world // 2, start=steps * 6 // 10, factor=1.6)
-    files = RankFiles(directory, RUN)
-    write = files.write
-    last_t = 0
-
-    write(run_infos(world, run=RUN))
+def _simulated(world: int, steps: int, timing: Timing, buckets: int) -> Iterator[list[Message]]:
+    """The lockstep run CHUNK steps at a time, each chunk starting after the last."""
     start = 1_000 * MS
     for first in range(0, steps, CHUNK):
         chunk = lockstep(
@@ -70,11 +74,20 @@ def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Pa
             start_ns=start,
             heartbeat_every=10,
         )
-        write(chunk)
-        last_t = max(m.t for m in chunk)
-        start = last_t + 1
-    end = last_t + 10 * MS
-    write([End(run=RUN, rank=r, t=end, step=steps, reason="exit") for r in range(world)])
+        yield chunk
+        start = max(m.t for m in chunk) + 1
+
+
+def write_recording(directory: Path, world: int, steps: int, buckets: int) -> Path:
+    rng = random.Random(0)
+    timing = straggler(healthy(rng, BASE), rank=world // 2, start=steps * 6 // 10, factor=1.6)
+    files = RankFiles(directory, RUN)
+    files.write(run_infos(world, run=RUN))
+    chunk: list[Message] = []
+    for chunk in _simulated(world, steps, timing, buckets):
+        files.write(chunk)
+    end = max((m.t for m in chunk), default=0) + 10 * MS
+    files.write([End(run=RUN, rank=r, t=end, step=steps, reason="exit") for r in range(world)])
     files.close()
     return directory
 
@@ -125,19 +138,8 @@ def write_derived(
         w.append(encode(dataclasses.replace(info, seq=0)))
         writers.append(w)
     seq = 1  # every rank sends the same kinds in the same order: one count serves all
-    start = 1_000 * MS
-    last_t = 0
-    for first in range(0, steps, CHUNK):
-        chunk = lockstep(
-            k,
-            min(CHUNK, steps - first),
-            timing,
-            run=RUN,
-            buckets=buckets,
-            first_step=first,
-            start_ns=start,
-            heartbeat_every=10,
-        )
+    chunk: list[Message] = []
+    for chunk in _simulated(k, steps, timing, buckets):
         own: list[list[bytes]] = [[] for _ in range(k)]
         for m in chunk:
             own[m.rank].append(encode(dataclasses.replace(m, seq=seq + len(own[m.rank]))))
@@ -145,9 +147,7 @@ def write_derived(
         for r, w in enumerate(writers):
             was, rank = source[r], packed[r]
             w.append_many([_with_rank(p, was, rank) for p in own[was]])
-        last_t = max(m.t for m in chunk)
-        start = last_t + 1
-    end = last_t + 10 * MS
+    end = max((m.t for m in chunk), default=0) + 10 * MS
     for r, w in enumerate(writers):
         w.append(encode(End(run=RUN, rank=r, t=end, step=steps, reason="exit", seq=seq)))
         w.close()
