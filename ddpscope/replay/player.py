@@ -383,7 +383,7 @@ class ReplayFeed(SnapshotHandoff):
         self._take(picks)
         # Older steps after newer ones: the run model files a late step in its
         # place (state.py), and nothing shown depends on the order steps came in.
-        self._take(self._bucket_steps_before_window(t))
+        self._take(self._bucket_steps_before_window())
         self.clock.now = t
         self._fill_series(t)
 
@@ -396,13 +396,14 @@ class ReplayFeed(SnapshotHandoff):
                 self.clock.now = max(self.clock.now, tm)
                 self.monitor.take(msg)
 
-    def _bucket_steps_before_window(self, t: int) -> list[tuple[int, int, Stream, int]]:
+    def _bucket_steps_before_window(self) -> list[tuple[int, int, Stream, int]]:
         """The step records before the window that the bucket view could still pick.
 
         None when the window already gives it all its steps: they are the newest
         there are, so older ones could not change it. Otherwise every rank's steps
         back to the view's reach (its scan, or the history's floor where that is
-        nearer: bucketmatrix.py), so that it finds what playing to ``t`` found.
+        nearer: bucketmatrix.py), up to each stream's cursor as _rebuild set it,
+        so that it finds what playing to the seek's time found.
         """
         run = self.monitor.analysis.latest
         if run is None:
@@ -414,7 +415,7 @@ class ReplayFeed(SnapshotHandoff):
         reach = BUCKET_SCAN if run.history is None else min(BUCKET_SCAN, run.history + 1)
         picks: list[tuple[int, int, Stream, int]] = []
         for i, s in enumerate(self.index.streams):
-            k = bisect_left(s.step_pos, s.applied(t))
+            k = bisect_left(s.step_pos, self._cursor[i])
             for j in range(max(0, k - reach), k - WINDOW_STEPS):
                 p = s.step_pos[j]
                 picks.append((s.tmax[p], i, s, p))
