@@ -60,7 +60,7 @@ class Timeline:
         anchored: dict[int, tuple[str, int | None, str]] = {}
         first_ns: dict[int, int] = {}
         if scans is None:
-            scans = {rank: _scan(msgs) for rank, msgs in recording.messages.items()}
+            scans = {rank: scan(msgs) for rank, msgs in recording.messages.items()}
         for rank, (earliest, info) in sorted(scans.items()):
             if earliest is None:
                 continue
@@ -95,7 +95,7 @@ class Timeline:
         return out
 
 
-def _scan(msgs: Iterable[Message]) -> Scan:
+def scan(msgs: Iterable[Message]) -> Scan:
     """(earliest time, first run info) of a rank's messages, in one pass over them."""
     earliest: int | None = None
     info: RunInfo | None = None

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import pickle
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import IO
 
-from ddpscope.export import Scan
+from ddpscope.export import Scan, scan
 from ddpscope.export.table import Figures, figures, sort_key
 from ddpscope.record.reader import RunDir
 from ddpscope.record.stream import LazyRecording
-from ddpscope.schema import Message, RunInfo, Step
+from ddpscope.schema import Message, Step
 
 
 class SpooledSteps:
@@ -35,12 +35,13 @@ class SpooledSteps:
         self._recording = recording
         self._file: IO[bytes] = tempfile.TemporaryFile(prefix="ddpscope-export-")  # noqa: SIM115
         self._at: dict[int, tuple[int, int]] = {}
-        #: Per rank, (earliest time on its own clock, first run info), as
-        #: ``export._scan`` finds them.
+        #: Per rank, (earliest time on its own clock, first run info): ``export.scan``.
         self.scans: dict[int, Scan] = {}
         try:
             for rank, msgs in recording.messages.items():
-                self.scans[rank], rows = _read(msgs)
+                rows: list[Figures] = []
+                self.scans[rank] = scan(_noting_steps(msgs, rows))
+                rows.sort(key=sort_key)
                 blob = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
                 self._at[rank] = (self._file.tell(), len(blob))
                 self._file.write(blob)
@@ -74,19 +75,9 @@ class SpooledSteps:
         self._file.close()
 
 
-def _read(msgs: Iterable[Message]) -> tuple[Scan, list[Figures]]:
-    earliest: int | None = None
-    info: RunInfo | None = None
-    rows: list[Figures] = []
+def _noting_steps(msgs: Iterable[Message], rows: list[Figures]) -> Iterator[Message]:
+    """``msgs`` passed through, each step's figures noted on ``rows`` on the way."""
     for m in msgs:
         if isinstance(m, Step):
-            # A step starts before the message that reports it was created (t = t_end).
-            t = min(m.t, m.t_start)
             rows.append(figures(m))
-        else:
-            t = m.t
-            if info is None and isinstance(m, RunInfo):
-                info = m
-        earliest = t if earliest is None else min(earliest, t)
-    rows.sort(key=sort_key)
-    return (earliest, info), rows
+        yield m
