@@ -36,6 +36,7 @@ from ddpscope.analysis.monitor import MAX_HISTORY, finding_views
 from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.analysis.sources import TICK_NS, fit_history
+from ddpscope.analysis.views import busy_ms
 from ddpscope.record import index as index_file
 from ddpscope.record.clocks import HostClocks
 from ddpscope.record.collect import reading_recording
@@ -118,11 +119,8 @@ class Stream:
             start = msg.t_start
             first = start if start < t else t
             self.step_pos.append(pos)
-            span = msg.t_end - start
-            self.step_ms.append(span / 1e6)  # as the monitor computes it
-            # views.busy_ms, written out: this runs for every step of the run.
-            waits = msg.comm_wait_ns + msg.sync_wait_ns + msg.coll_wait_ns
-            self.busy_ms.append((span - waits) / 1e6)
+            self.step_ms.append((msg.t_end - start) / 1e6)  # as the monitor computes it
+            self.busy_ms.append(busy_ms(msg))
         else:
             first = t
             code = KIND_CODE[msg.KIND]
