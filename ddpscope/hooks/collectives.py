@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ddpscope.hooks import compiled, recipe
+from ddpscope.hooks import compiled, pid, recipe
 from ddpscope.hooks.recipe import group_arg, site_of, user_frame
 
 log = logging.getLogger("ddpscope")
@@ -139,7 +139,7 @@ class CollectiveTimer:
             and self.enabled
             and not self.depth
             and threading.get_ident() == self.ident
-            and os.getpid() == self.pid  # a forked DataLoader worker: not ours
+            and pid.current == self.pid  # a forked DataLoader worker: not ours
         )
 
     # --- torch.distributed functions -------------------------------------------
