@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from ddpscope.hooks import compiled
+from ddpscope.hooks import compiled, pid
 from ddpscope.schema import (
     COLLECTIVE_OPS,
     DDP_BUFFERS,
@@ -224,6 +224,8 @@ _ARG_NAMES = tuple(f"args[{i}]" for i in range(8))
 
 def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, str]:
     """The first dimension of a forward's first tensor input, and where it was found."""
+    if args and type(args[0]) is torch.Tensor and args[0].ndim:
+        return args[0].shape[0], _ARG_NAMES[0]  # model(x): called on every forward
     for i, a in enumerate(args[:8]):
         if isinstance(a, torch.Tensor):
             if a.dim() > 0:
@@ -294,7 +296,7 @@ class ModelWatch:
 
     def forward_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         probe = self.probe
-        if not probe.enabled or os.getpid() != probe.pid:
+        if not probe.enabled or pid.current != probe.pid:
             return
         try:
             training = torch.is_grad_enabled() and module.training
@@ -406,7 +408,7 @@ class RecipeProbe:
             return None
 
     def _live(self) -> bool:
-        return self.enabled and os.getpid() == self.pid
+        return self.enabled and pid.current == self.pid
 
     # --- collectives -----------------------------------------------------------------
 
