@@ -447,7 +447,9 @@ class Handle:
             and not getattr(self.model, "_comm_hooks", None)
         ):
             self._decide_bucket_timing()
-        self._proc.recipe.guard(self._proc.recipe.on_step_end, step)
+        recipe_probe = self._proc.recipe
+        if recipe_probe.enabled and recipe.snapshot_due(step):
+            recipe_probe.guard(recipe_probe.on_step_end, step)
         if step % HPARAMS_EVERY == 0 or self._hparams_key is None:
             self._check_hparams(step)
         fp = self.fingerprinter
