@@ -144,6 +144,11 @@ class FindingBook:
             old.changed_ns = self.now_ns
         return old
 
+    def changed(self, finding: Finding) -> None:
+        """A detector edited ``finding`` in place (its ranks, step, evidence): show it."""
+        self.version += 1
+        finding.changed_ns = self.now_ns
+
     def set_severity(self, finding: Finding, severity: str) -> None:
         """A detector's own level for its finding, up or down; a cause's cap still holds."""
         link = self._links.get((finding.kind, finding.key))

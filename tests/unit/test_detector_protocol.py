@@ -256,3 +256,18 @@ def test_each_default_detector_lives_in_its_own_module() -> None:
     homes = [type(d).__module__ for d in default_detectors()]
     assert len(set(homes)) == len(homes)
     assert all(not h.endswith(("ledger", "overlap", "common", "setup")) for h in homes)
+
+
+def test_no_detector_bumps_the_books_version_itself() -> None:
+    # An edit in place goes through FindingBook.changed, which also stamps when.
+    for path, tree in modules().items():
+        bumps = [
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.AugAssign, ast.Assign))
+            and any(
+                isinstance(t, ast.Attribute) and t.attr == "version"
+                for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            )
+        ]
+        assert not bumps, f"{path} sets the book's version at lines {bumps}"

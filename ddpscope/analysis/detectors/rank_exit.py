@@ -281,7 +281,7 @@ class RankExitDetector:
         remaining = [r for r in f.ranks if r not in back]
         if remaining:
             f.ranks = remaining
-            book.version += 1
+            book.changed(f)
             return
         # Not an exit after all: keep the episode on record, at a lower level.
         book.set_severity(f, "warning")
@@ -344,7 +344,7 @@ class RankExitDetector:
         if finding.step != step:
             finding.step = step
             finding.epoch = epoch_of(run, ranks)
-            book.version += 1
+            book.changed(finding)
 
 
 def _spoke_again(run: RunState, rank: int, stops: dict[int, _Stop]) -> bool:

@@ -317,7 +317,7 @@ class CollectiveMismatchDetector:
         if stuck is not None and stuck.evidence.get("op") == op and set(named) <= set(stuck.ranks):
             # The stacks told this story already, with the sites: add the counts to it.
             stuck.evidence["counts"] = {str(r): calls[r] for r in sorted(calls)[:MAX_LISTED]}
-            book.version += 1
+            book.changed(stuck)
             return
         old = book.get(self.kinds[0], _key(key))
         evidence: dict[str, Any] = dict(old.evidence) if old is not None else {}
