@@ -1,7 +1,8 @@
 """What the hooks a step tracker needs cost when they do nothing, per step.
 
 ddpscope cuts a step into phases from a module's forward pre/post hooks, a
-pre-hook on the forward output's autograd node (backward's start), two
+hook on the forward output's gradient (backward's start, set the way
+ddpscope sets it: ``steps._hook_gradient``), two
 autograd final callbacks (compute end, then after DDP's finalisation), and
 the global optimizer step hooks. This measures those mechanisms with empty
 bodies on identical world-size-1 DDP models (40 tiny layers, one bucket),
@@ -30,6 +31,7 @@ from torch.optim.optimizer import (
 
 from benchmarks.stats import bootstrap_ci
 from benchmarks.worldofone import train_block, world_of_one
+from ddpscope.hooks.steps import _hook_gradient
 
 _queue = torch.autograd.Variable._execution_engine.queue_callback
 
@@ -51,13 +53,11 @@ def _backward_begin(*_args: Any) -> None:
 
 
 def _mark_node(_m: Any, _a: Any, out: torch.Tensor) -> None:
-    assert out.grad_fn is not None
-    out.grad_fn.register_prehook(_nothing)
+    _hook_gradient(out, _nothing)  # ddpscope's own way of hooking the output
 
 
 def _mark_node_and_queue(_m: Any, _a: Any, out: torch.Tensor) -> None:
-    assert out.grad_fn is not None
-    out.grad_fn.register_prehook(_backward_begin)
+    _hook_gradient(out, _backward_begin)
 
 
 def _make() -> DDP:
@@ -70,7 +70,7 @@ def _make() -> DDP:
 SIDES: dict[str, Callable[..., None] | None] = {
     "plain": None,
     "module hooks": _nothing,
-    "+ node pre-hook": _mark_node,
+    "+ output gradient hook": _mark_node,
     "+ two final callbacks": _mark_node_and_queue,
 }
 
