@@ -335,6 +335,8 @@ class SamplerPassEnd(Message):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Fingerprint(Message):
     KIND: ClassVar[str] = "fingerprint"
+    #: Steps of the job, counted alike on every rank: a rank's own steps plus
+    #: those it shadowed under Join after running out of data.
     step: int
     #: "initial", "interval", "request", "final".
     reason: str

@@ -296,6 +296,17 @@ class Handle:
         return self.tracker.step
 
     @property
+    def job_step(self) -> int:
+        """Steps of the job so far, counted alike on every rank.
+
+        A rank that ran out of data under ``Join`` shadows each step the others
+        still take; counting those, it numbers its weight fingerprints by the
+        same point of training as theirs, which is what the desync check
+        compares. Equal to ``step`` in a job without Join.
+        """
+        return self.tracker.step + self.tracker.state.join_shadow
+
+    @property
     def record_path(self) -> str | None:
         return self.publisher.record_path
 
@@ -453,8 +464,9 @@ class Handle:
         if step % HPARAMS_EVERY == 0 or self._hparams_key is None:
             self._check_hparams(step)
         fp = self.fingerprinter
-        if fp.due(step, self.tracker.median_step_ns()):
-            self._fingerprint(step, fp.pending_reason)
+        at = self.job_step  # == step, plus any steps shadowed under Join
+        if fp.due(at, self.tracker.median_step_ns()):
+            self._fingerprint(at, fp.pending_reason)
 
     def _check_hparams(self, step: int) -> None:
         opts = list(self.tracker.optimizers.values())
@@ -480,7 +492,7 @@ class Handle:
             return
         self.guard(self.tracker.flush)
         if clean and self.fingerprinter.every != -1:
-            self._fingerprint(self.step, "final")
+            self._fingerprint(self.job_step, "final")
         for h in self._hooks:
             h.remove()
         self.tracker.enabled = False

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ddpscope.schema import WAITING_PHASES
+from ddpscope.record import open_run
+from ddpscope.schema import WAITING_PHASES, Fingerprint
 from tests.support.recorded import brief, median, serious, steps_of
 from tests.support.recorded import report_json as report
 from tests.support.synth import split_ns as split
@@ -140,6 +141,27 @@ def test_uneven_inputs_under_join_are_information_only(tmp_path: Path, endpoint:
     assert len(uneven) == 1 and uneven[0]["severity"] == "info", brief(doc["findings"])
     assert "Join" in uneven[0]["message"]
     assert all(s.join for ss in steps_of(rec).values() for s in ss)
+
+
+def test_a_rank_that_ran_out_under_join_has_its_weights_compared_at_the_same_step(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # A fingerprint on every 2nd step of every rank: after rank 0 runs out, its own
+    # step count lags the others', so numbering its fingerprints by its own steps
+    # would set its final (synchronised) weights against the others' of an earlier step.
+    rec = record(
+        tmp_path, endpoint, "--epochs", "2", "--uneven", nproc=3, DDPSCOPE_CHECKSUM_EVERY="2"
+    )
+    doc = report(rec)
+    assert serious(doc) == [], brief(serious(doc))
+    run = open_run(str(rec))
+    finals = {
+        r: [m.step for m in msgs if isinstance(m, Fingerprint) and m.reason == "final"]
+        for r, msgs in run.messages.items()
+    }
+    last_step = {r: ss[-1].step for r, ss in steps_of(rec).items()}
+    assert last_step[0] < last_step[1] == last_step[2], last_step  # rank 0 ran out
+    assert finals[0] == finals[1] == finals[2] == [last_step[1] + 1], finals
 
 
 def test_uneven_inputs_without_join_are_the_cause_not_a_list_of_errors(

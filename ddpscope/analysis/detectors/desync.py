@@ -5,6 +5,9 @@ gradient to the same weights. Ranks send fingerprints (one 64-bit digest per
 parameter and per buffer, in RunInfo order) after the optimizer step at the
 same step indices, so comparing the digests of one step across ranks is exact:
 any difference is a desync, found at the first fingerprint after it happened.
+A rank that ran out of data under Join counts the steps it shadowed in that
+index (``Handle.job_step``): its own step count lags the others' from then on,
+and its final weights, which Join synchronises, belong beside theirs.
 
 A step is compared once every known rank has sent its fingerprint, or, when
 some rank never will (it dropped the message, fingerprints at another
