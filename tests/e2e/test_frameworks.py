@@ -47,13 +47,20 @@ def ddpscope_run(rec: Path) -> list[str]:
 
 
 def record(
-    tmp: Path, endpoint: str, script: str, *flags: str, zero_code: bool = True, **env: str
+    tmp: Path,
+    endpoint: str,
+    script: str,
+    *flags: str,
+    zero_code: bool = True,
+    nproc: int = 2,
+    **env: str,
 ) -> Path:
-    """Run ``script`` under torchrun with 2 ranks, recorded; zero-code unless told."""
+    """Run ``script`` under torchrun with ``nproc`` ranks, recorded; zero-code unless told."""
     rec = tmp / "rec"
     if zero_code:
         torchrun(
             [script, *flags],
+            nproc=nproc,
             env=job_env(DDPSCOPE_ENDPOINT=endpoint, **env),
             prefix=ddpscope_run(rec),
             timeout=240,
@@ -61,6 +68,7 @@ def record(
     else:
         torchrun(
             [script, *flags],
+            nproc=nproc,
             env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint, **env),
             timeout=240,
         )
@@ -213,6 +221,18 @@ def test_hf_trainer_healthy_job_raises_nothing_despite_batch_level_sharding(
     # 512 samples, 16 per rank and step, 2 ranks, 3 epochs: each rank its own half.
     assert all(len(ss) == 48 for ss in steps.values())
     assert_phases_add_up(steps)
+
+
+def test_hf_trainer_on_three_ranks_pads_its_batch_shards_and_raises_nothing(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # 32 batches on 3 ranks: accelerate gives each 11, the last one wrapped round to
+    # the first batch, so 16 samples are drawn twice by design: not overlapping shards.
+    rec = record(tmp_path, endpoint, HF, nproc=3)
+    found = serious(report(rec))
+    assert found == [], brief(found)
+    steps = steps_of(rec)
+    assert sorted(steps) == [0, 1, 2] and all(len(ss) == 33 for ss in steps.values())
 
 
 def test_hf_trainer_callback_attaches_without_ddpscope_run(tmp_path: Path, endpoint: str) -> None:

@@ -903,3 +903,36 @@ def test_a_restarted_worker_starts_its_pass_ids_again() -> None:
         first = ledger.ranks[r].by_key[(0, 0)]
         assert first.begin is not None and first.begin.epoch == 2 and first.steps == 4
         assert ledger.ranks[r].trained[0] == 2
+
+
+def _batch_shards(n: int, world: int, batch: int, *, stolen: int = 0) -> dict[int, Plan]:
+    """accelerate's BatchSamplerShard with even_batches: batch k to rank k % world,
+    the batches wrapped round to the first ones until every rank has as many.
+    ``stolen``: the last rank's last batches are rank 0's instead of its own."""
+    order = random.Random(7).sample(range(n), n)
+    batches = [order[i : i + batch] for i in range(0, n, batch)]
+    per = math.ceil(len(batches) / world)
+    padded = batches + batches[: per * world - len(batches)]
+    mine = {r: padded[r::world] for r in range(world)}
+    for i in range(1, stolen + 1):
+        mine[world - 1][-i] = mine[0][i - 1]
+    return {
+        r: plain_plan([i for b in bs for i in b], n, batch_sampler_type="BatchSamplerShard")
+        for r, bs in mine.items()
+    }
+
+
+def test_batch_level_shards_padded_to_equal_length_raise_nothing() -> None:
+    # 512 samples in batches of 16 on 3 ranks: 176 each, the first 16 drawn twice.
+    sim = Sim(3)
+    plans = _batch_shards(512, 3, 16)
+    assert {len(p.indices) for p in plans.values()} == {176}
+    sim.epoch(plans, 16)
+    quiet(analyse(sim.msgs)[0])
+
+
+def test_batch_level_shards_overlapping_beyond_their_padding_are_named() -> None:
+    sim = Sim(3)
+    sim.epoch(_batch_shards(512, 3, 16, stolen=3), 16)
+    f = only(analyse(sim.msgs)[0], "shard_overlap")
+    assert 0 in f.ranks and 2 in f.ranks, f.ranks

@@ -35,7 +35,9 @@ class SketchUnion:
     matters when a thousand ranks end a pass at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, world: int = 0) -> None:
+        #: Ranks in the job: how many equal shares a batch-level sharder pads to.
+        self.world = world
         self.base = 1
         self.thin = 0
         self.recs: dict[int, PassRec] = {}
@@ -115,7 +117,9 @@ class SketchUnion:
         pts = len(self.points.get(rank, ()))
         if not pts:
             return 0, 0.0
-        extra = max(0, self.shared[rank] - _padding_allowance(self.recs[rank]))
+        rec = self.recs[rank]
+        allowed = max(_padding_allowance(rec), _share_padding(rec, self.world, self.rate))
+        extra = max(0, self.shared[rank] - allowed)
         return extra, extra / pts
 
     def excess(self) -> dict[int, tuple[int, float]]:
@@ -141,3 +145,23 @@ def _padding_allowance(rec: PassRec) -> int:
         return 0
     pad = -b.dataset_len % b.num_replicas
     return b.padded + (1 if 0 <= b.sampler_rank < pad else 0)
+
+
+def _share_padding(rec: PassRec, world: int, rate: int) -> int:
+    """Sketch points a batch-level sharder's padding may share, for a pass it sharded.
+
+    accelerate's ``BatchSamplerShard`` (``even_batches``, its default) gives every
+    rank the same number of batches by starting over at the dataset's first
+    batches: with 512 samples in batches of 16 on 3 ranks each rank draws 176,
+    and the 16 beyond the dataset are drawn twice. Equal shares that cover the
+    dataset with less than one share to spare are a padded partition; more is
+    not padding (every rank drawing the whole dataset spares W - 1 shares).
+    """
+    b = rec.begin
+    if b is None or b.distributed or world <= 1 or b.dataset_len <= 0:
+        return 0
+    drawn = rec.drawn
+    pad = drawn * world - b.dataset_len
+    if not 0 < pad < drawn:
+        return 0
+    return pad // max(1, rate) + 1

@@ -332,7 +332,7 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
         key = (rec.loader, rec.ordinal, b.epoch if b.distributed else -1)
         union = st.unions.get(key)
         if union is None:
-            union = st.unions[key] = SketchUnion()
+            union = st.unions[key] = SketchUnion(_world(run))
             old = sorted(k for k in st.unions if k[0] == rec.loader)
             for k in old[:-KEEP_ORDINALS]:
                 del st.unions[k]
