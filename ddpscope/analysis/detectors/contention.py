@@ -115,7 +115,9 @@ def starved(
         rq_sum += mine
         others_sum += theirs
         if ref[i] > theirs:
-            ratios.append((own[i] - mine) / (ref[i] - theirs))
+            # Its wait also holds its wake-ups from collectives (outside own work):
+            # on a starved rank it can exceed its own work.
+            ratios.append(max(0, own[i] - mine) / (ref[i] - theirs))
     if n < len(steps) // 2 or not ratios or own_sum <= ref_sum:
         return None
     view = run.ranks.get(r)
@@ -142,8 +144,8 @@ def message(r: int, s: Starved) -> str:
         f"{min(100.0, 100 * s.extra / s.excess):.0f}% of its extra "
         f"{_ms(s.excess / n):.1f} ms/step of own work ({_ms(s.own / n):.1f} ms vs "
         f"{_ms(s.ref / n):.1f} ms). Not a straggler of the job's making: other "
-        f"processes{_on(s.host)} hold its cores; on a CPU it keeps pace "
-        f"({s.on_cpu_ratio:.2f}x the others)."
+        f"processes{_on(s.host)} hold its cores, and the rest of its own work keeps "
+        "pace with theirs."
     )
 
 
