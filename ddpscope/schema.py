@@ -234,6 +234,9 @@ class Step(Message):
     c_site: list[str] = field(default_factory=list)
     #: Collectives of the step beyond the list (their time is in the sums).
     c_more: int = 0
+    #: The training thread's run-queue wait (runnable, waiting for a CPU) since it
+    #: started, at the step's end, ns; -1 where not known (no /proc: macOS).
+    rq_wait_ns: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

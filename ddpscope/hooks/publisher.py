@@ -24,6 +24,7 @@ import zmq
 
 from ddpscope.config import Options
 from ddpscope.hooks.host import HostProbe
+from ddpscope.hooks.schedwait import RunQueueWait
 from ddpscope.hooks.stacks import all_thread_stacks
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import (
@@ -33,6 +34,7 @@ from ddpscope.schema import (
     Request,
     SchemaError,
     Stacks,
+    Step,
     decode,
     encode_fields,
 )
@@ -119,6 +121,9 @@ class Publisher:
         self._periodic: list[Periodic] = []
         self._handlers: dict[str, Callable[[], None]] = {}
         self._host = host or HostProbe()
+        # The publisher is made by attach() on the thread that trains: its run-queue
+        # wait is what tells a starved rank from a slow one (read on this thread).
+        self._run_queue = RunQueueWait(threading.get_native_id())
         self._seq = 0
         self.sent = 0
         self.dropped_queue = 0
@@ -247,6 +252,8 @@ class Publisher:
     def _drain(self, force: bool) -> None:
         q = self._queue
         now = time.monotonic_ns()
+        if q:
+            self._run_queue.sample(now)
         while q:
             kind, model, payload, finisher, born = q[0]
             if finisher is None:
@@ -262,6 +269,8 @@ class Publisher:
                     continue
             q.popleft()
             fields.setdefault("t", born)
+            if kind == Step.KIND:
+                fields["rq_wait_ns"] = self._run_queue.at(fields.get("t_end", now))
             self._emit(kind, model, fields, record=True)
 
     def _emit(self, kind: str, model: int, fields: dict[str, Any], record: bool) -> None:
@@ -450,6 +459,7 @@ class Publisher:
             pass
         if self._writer is not None:
             self._writer.close()
+        self._run_queue.close()
         self.handshakes.close()
         self._ctx.destroy(linger=0)
 

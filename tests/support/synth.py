@@ -569,6 +569,22 @@ def with_collectives(
     return out
 
 
+def with_run_queue(msgs: Iterable[Message], wait: Callable[[Step], int]) -> list[Message]:
+    """The messages with each step carrying its rank's run-queue wait (``rq_wait_ns``).
+
+    ``wait(step)`` is the time that step's rank was runnable but waiting for a
+    CPU during it (ns); the field holds the running total, as a rank sends it.
+    """
+    total: dict[int, int] = {}
+    out: list[Message] = []
+    for m in msgs:
+        if isinstance(m, Step):
+            total[m.rank] = total.get(m.rank, 0) + wait(m)
+            m = dataclasses.replace(m, rq_wait_ns=total[m.rank])
+        out.append(m)
+    return out
+
+
 # --- the same run in closed form, for publishing in real time ----------------------
 
 

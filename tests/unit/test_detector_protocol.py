@@ -202,7 +202,15 @@ def test_every_default_detector_forgets_a_run_the_analysis_dropped() -> None:
 
 PACKAGE = Path(detectors_pkg.__file__).parent
 #: Modules of the package that are not detectors: what detectors of one group share.
-HELPERS = {"sampling/ledger.py", "sampling/overlap.py", "recipe/common.py", "recipe/setup.py"}
+HELPERS = {
+    "sampling/ledger.py",
+    "sampling/overlap.py",
+    "recipe/common.py",
+    "recipe/setup.py",
+    # The straggler detector's: the CPU-contention rule and its findings' figures.
+    "contention.py",
+    "slow_evidence.py",
+}
 
 
 def modules() -> dict[str, ast.Module]:

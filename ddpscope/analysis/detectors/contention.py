@@ -1,0 +1,183 @@
+"""CPU contention: a rank slow because it waits for a CPU, not because of its own work.
+
+On a host whose cores are oversubscribed (other jobs, other ranks' threads,
+a data loader's workers), the rank that gets less CPU runs its own work
+slower for a while, and the straggler measure sees exactly what a real
+straggler shows. What tells them apart is where the extra time goes. Each
+step carries the training thread's run-queue wait (``Step.rq_wait_ns``:
+time it was runnable but not running, cumulative); over the straggler
+window of rank r (steps ``first`` .. ``last``, own work summed over the
+steps after ``first``):
+
+- ``excess = own(r) - ref``: its extra own work against the others' median;
+- ``extra = rq(r) - median of the others' rq``: its extra run-queue wait;
+- on a CPU: the median over the steps of ``(own(r) - rq(r)) / (ref -
+  others' rq)``, its own work less the time it could not run, against the
+  others' (a median, as the straggler's own ratio is: one long step does not
+  carry it).
+
+The rank is starved, not a straggler, when ``extra`` explains at least
+``EXPLAINED`` of ``excess`` and on a CPU it would not be slow (that ratio
+below the straggler score). Both are needed: on a host where every rank
+waits, a rank that really computes more also waits more, in proportion
+(a 2x busy loop on a host giving each thread 30% of a core: ``extra`` is
+70% of ``excess``, yet on a CPU it is still 2x). A rank that sleeps or
+blocks by choice (``time.sleep``, slow I/O) is off the CPU without waiting
+in a run queue: ``extra`` stays near 0 and it is named a straggler.
+
+The others' run-queue wait includes their wake-ups from the collective
+they wait in (not in their own work), which lowers their on-CPU time and
+leans the rule to "straggler": a wrongly named straggler is today's
+behaviour, never a silenced one. Where any reading is missing (-1: no
+``/proc``, older senders or recordings) the rule does not apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+from ddpscope.analysis.state import RunState
+
+KIND = "cpu_contention"
+SEVERITY = "info"
+#: The share of a rank's extra own work that its extra run-queue wait must explain.
+EXPLAINED = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Starved:
+    """A rank's run-queue wait against the others' over its window (ns, sums)."""
+
+    steps: int
+    host: str
+    own: int
+    ref: float
+    rq: int
+    others_rq: float
+    #: Median over the steps of its own work less its wait, over the others' same.
+    on_cpu_ratio: float
+
+    @property
+    def excess(self) -> float:
+        return self.own - self.ref
+
+    @property
+    def extra(self) -> float:
+        return self.rq - self.others_rq
+
+
+def starved(
+    run: RunState,
+    r: int,
+    steps: Sequence[int],
+    own: Sequence[int],
+    ref: Sequence[float],
+    slow_ratio: float,
+) -> Starved | None:
+    """The figures when rank r's extra own work over ``steps`` is CPU starvation.
+
+    ``own[i]`` and ``ref[i]``: rank r's own work and the others' median own
+    work in ``steps[i]``. Each step's wait is the difference of its reading
+    and the one before it, so ``steps[0]`` only sets the base. None when it is
+    not starvation or cannot be told (readings missing on most steps).
+    """
+    rows = run.by_step
+    prev = rows.get(steps[0]) if steps else None
+    n = 0
+    own_sum = ref_sum = rq_sum = others_sum = 0.0
+    ratios: list[float] = []
+    for i in range(1, len(steps)):
+        row = rows.get(steps[i])
+        if row is None or prev is None:
+            prev = row
+            continue
+        waits = []
+        mine = -1
+        for q, s in row.items():
+            before = prev.get(q)
+            if before is None or s.rq_wait_ns < 0 or before.rq_wait_ns < 0:
+                continue
+            wait = s.rq_wait_ns - before.rq_wait_ns
+            if q == r:
+                mine = wait
+            elif wait >= 0:
+                waits.append(wait)
+        prev = row
+        if mine < 0 or not waits:
+            continue
+        theirs = median(waits)
+        n += 1
+        own_sum += own[i]
+        ref_sum += ref[i]
+        rq_sum += mine
+        others_sum += theirs
+        if ref[i] > theirs:
+            # Its wait also holds its wake-ups from collectives (outside own work):
+            # on a starved rank it can exceed its own work.
+            ratios.append(max(0, own[i] - mine) / (ref[i] - theirs))
+    if n < len(steps) // 2 or not ratios or own_sum <= ref_sum:
+        return None
+    view = run.ranks.get(r)
+    host = view.info.host if view is not None and view.info is not None else ""
+    found = Starved(n, host, int(own_sum), ref_sum, int(rq_sum), others_sum, median(ratios))
+    if found.extra < EXPLAINED * found.excess or found.on_cpu_ratio >= slow_ratio:
+        return None
+    return found
+
+
+def _ms(ns: float) -> float:
+    return round(ns / 1e6, 3)
+
+
+def _on(host: str) -> str:
+    return f" on host {host}" if host else ""
+
+
+def message(r: int, s: Starved) -> str:
+    n = s.steps
+    return (
+        f"rank {r} waits for a CPU{_on(s.host)}: runnable but not running "
+        f"{_ms(s.extra / n):.1f} ms/step more than the other ranks, "
+        f"{min(100.0, 100 * s.extra / s.excess):.0f}% of its extra "
+        f"{_ms(s.excess / n):.1f} ms/step of own work ({_ms(s.own / n):.1f} ms vs "
+        f"{_ms(s.ref / n):.1f} ms). Not a straggler of the job's making: other "
+        f"processes{_on(s.host)} hold its cores, and the rest of its own work keeps "
+        "pace with theirs."
+    )
+
+
+def fix(r: int, s: Starved) -> str:
+    where = s.host or "its host"
+    return (
+        f"Give rank {r}'s process CPU of its own on {where}: move other jobs off it, run "
+        "fewer processes per host, pin processes to cores (taskset, cgroups, the "
+        "scheduler's CPU request), and keep ranks x OMP_NUM_THREADS (plus DataLoader "
+        "workers) within its cores."
+    )
+
+
+def evidence(r: int, s: Starved, first: int, last: int) -> dict[str, Any]:
+    n = s.steps
+    return {
+        "rank": r,
+        "host": s.host,
+        "run_queue_ms_per_step": _ms(s.rq / n),
+        "others_run_queue_ms_per_step": _ms(s.others_rq / n),
+        "extra_run_queue_ms_per_step": _ms(s.extra / n),
+        "own_ms_per_step": _ms(s.own / n),
+        "others_own_ms_per_step": _ms(s.ref / n),
+        "excess_ms_per_step": _ms(s.excess / n),
+        "explained_pct": round(min(100.0, 100 * s.extra / s.excess), 1),
+        "on_cpu_ratio": round(s.on_cpu_ratio, 3),
+        "window": [first, last],
+    }
+
+
+def recovered(r: int, host: str, first_step: int, step: int) -> str:
+    return (
+        f"rank {r} waited for a CPU{_on(host)} from step {first_step} to step {step}; it "
+        "keeps pace with the other ranks again."
+    )

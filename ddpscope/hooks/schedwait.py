@@ -1,0 +1,97 @@
+"""The training thread's run-queue wait, read from the publisher thread.
+
+A rank on a loaded host can be slow for no fault of its own: its training
+thread is runnable but waiting for a CPU that other processes hold. Linux
+counts that time per thread in ``/proc/self/task/<tid>/schedstat`` (second
+field, ns, cumulative since the thread started; the first field is time on a
+CPU, the third the number of timeslices). Time a thread spends blocked by
+choice (a ``time.sleep``, a collective's wait, I/O) is in neither field, so
+the run-queue wait tells starvation apart from a rank that sleeps or
+computes more.
+
+The file is opened once, and each reading is one ``pread`` (~0.4 us here)
+made on the publisher thread: nothing runs on the training thread after
+:class:`RunQueueWait` is made. Where the file is missing (macOS, a kernel
+without schedstats) every reading is -1 and the wire field stays at its
+default.
+
+Steps end between two publisher ticks, and a reading is taken once per
+tick, so the wait at a step's end is interpolated between the two readings
+around it: the detectors sum it over windows of a second or more, where the
+error is at most one tick's wait at each end.
+"""
+
+from __future__ import annotations
+
+import os
+
+#: Bytes read per sample: three decimal counters and a newline fit in far less.
+_READ = 128
+
+
+def parse_schedstat(text: bytes) -> tuple[int, int, int]:
+    """(ns on a CPU, ns waiting on a run queue, timeslices) from one schedstat line."""
+    on_cpu, waiting, slices = text.split()[:3]
+    return int(on_cpu), int(waiting), int(slices)
+
+
+class RunQueueWait:
+    """Cumulative run-queue wait of one thread of this process, in ns (-1: unknown)."""
+
+    __slots__ = ("_fd", "_prev_t", "_prev_v", "_t", "_v")
+
+    def __init__(self, tid: int) -> None:
+        self._fd = -1
+        try:
+            self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
+        except OSError:
+            pass  # no /proc, or no schedstats in this kernel: stay at -1
+        # The two latest readings: (monotonic ns, cumulative wait ns).
+        self._prev_t = self._t = 0
+        self._prev_v = self._v = -1
+
+    @property
+    def available(self) -> bool:
+        return self._fd >= 0
+
+    def read(self) -> int:
+        """The wait now, or -1 once the file cannot be read (the thread has ended)."""
+        if self._fd < 0:
+            return -1
+        try:
+            return parse_schedstat(os.pread(self._fd, _READ, 0))[1]
+        except (OSError, ValueError):
+            self.close()
+            return -1
+
+    def sample(self, now_ns: int) -> None:
+        """Take a reading at ``now_ns`` (monotonic); at() interpolates between the last two."""
+        value = self.read()
+        if value < 0:
+            self._prev_v = self._v = -1
+            return
+        if self._v < 0:
+            self._prev_t, self._prev_v = now_ns, value
+        else:
+            self._prev_t, self._prev_v = self._t, self._v
+        self._t, self._v = now_ns, value
+
+    def at(self, t_ns: int) -> int:
+        """The wait at ``t_ns`` (monotonic, at most the last reading's time); -1 if unknown."""
+        v, prev = self._v, self._prev_v
+        if v < 0:
+            return -1
+        t0, t1 = self._prev_t, self._t
+        if t_ns >= t1:
+            return v
+        if t_ns <= t0 or t1 <= t0:
+            return prev
+        return prev + (v - prev) * (t_ns - t0) // (t1 - t0)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass

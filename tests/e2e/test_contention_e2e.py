@@ -1,0 +1,105 @@
+"""CPU starvation against a real straggler, on real 2-rank torchrun jobs (gloo, CPU).
+
+The starved rank shares its core with busy-loop processes (tests/jobs/starved_job.py):
+it is slow for no fault of the job, and must not be named a straggler. The
+busy-looping rank computes more on a CPU and must be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+from statistics import median
+
+import pytest
+
+from ddpscope.analysis.detectors.straggler import StragglerDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.findings import Finding, severity_at_least
+from ddpscope.analysis.sources import analyze_recording
+from ddpscope.record.reader import open_run
+from ddpscope.schema import Step
+from tests.support.synth import feed
+from tests.support.torchrun import ROOT, job_env, torchrun
+
+pytestmark = pytest.mark.torchrun
+
+JOB = ROOT / "tests" / "jobs" / "starved_job.py"
+
+
+def _record(tmp_path: Path, endpoint: str, *flags: str) -> Path:
+    rec = tmp_path / "rec"
+    proc = torchrun(
+        [str(JOB), *flags], env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
+    )
+    assert proc.stdout.count("done:") == 2, proc.stdout[-2000:]
+    return rec
+
+
+def _findings(rec: Path) -> list[Finding]:
+    analysis, recording = analyze_recording(str(rec))
+    assert recording.problems == [] and analysis.detector_errors == {}
+    run = analysis.latest
+    assert run is not None and run.world_size == 2
+    return analysis.book(run).sorted()
+
+
+def _steps(rec: Path) -> dict[int, list[Step]]:
+    msgs = open_run(str(rec)).messages
+    return {r: [m for m in ms if isinstance(m, Step)] for r, ms in msgs.items()}
+
+
+def _wait_per_step_ms(steps: list[Step]) -> float:
+    rq = [s.rq_wait_ns for s in steps]
+    return median(b - a for a, b in itertools.pairwise(rq)) / 1e6
+
+
+def _own_ms(steps: list[Step]) -> float:
+    return median(s.t_end - s.t_start - s.comm_wait_ns - s.coll_wait_ns for s in steps) / 1e6
+
+
+def _without_readings(rec: Path) -> list[Finding]:
+    """The recording analysed as a ddpscope without run-queue readings would."""
+    msgs = [m for ms in open_run(str(rec)).messages.values() for m in ms]
+    blind = [dataclasses.replace(m, rq_wait_ns=-1) if isinstance(m, Step) else m for m in msgs]
+    analysis = feed(Analysis(detectors=[StragglerDetector()]), sorted(blind, key=lambda m: m.t))
+    return [f for book in analysis.books.values() for f in book.sorted()]
+
+
+def _brief(found: list[Finding]) -> list[str]:
+    return [f"{f.kind} {f.severity} {f.ranks}: {f.message}" for f in found]
+
+
+def test_a_rank_starved_of_cpu_for_real_is_not_named_a_straggler(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = _record(tmp_path, endpoint, "--starve", "1")
+    steps = _steps(rec)
+    assert sorted(steps) == [0, 1] and all(len(ss) == 120 for ss in steps.values())
+    for ss in steps.values():
+        rq = [s.rq_wait_ns for s in ss]
+        assert min(rq) >= 0 and rq == sorted(rq)  # real readings, cumulative
+    # Rank 1 was starved: most of its own work was waiting for its core.
+    extra = _wait_per_step_ms(steps[1]) - _wait_per_step_ms(steps[0])
+    assert extra > 0.3 * _own_ms(steps[1]), (extra, _own_ms(steps[1]))
+    # Without the readings it passes for a straggler: the false alarm this removes.
+    blind = _without_readings(rec)
+    assert [(f.kind, f.ranks) for f in blind] == [("straggler", [1])], _brief(blind)
+    found = _findings(rec)
+    loud = [f for f in found if severity_at_least(f.severity, "warning")]
+    assert loud == [], _brief(loud)
+    named = [f for f in found if f.kind == "cpu_contention"]
+    assert [(f.severity, f.ranks) for f in named] == [("info", [1])], _brief(found)
+    assert named[0].evidence["explained_pct"] >= 50
+
+
+def test_a_rank_that_computes_more_is_named_the_straggler_on_a_busy_host(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = _record(tmp_path, endpoint, "--busy", "1", "--busy-ms", "20")
+    found = [f for f in _findings(rec) if f.kind in ("straggler", "cpu_contention")]
+    assert [(f.kind, f.severity, f.ranks) for f in found] == [("straggler", "warning", [1])], (
+        _brief(found)
+    )
+    assert found[0].evidence["grown_phases"][0] == "other"

@@ -1,0 +1,139 @@
+"""A rank starved of CPU is named for what it is, not as a straggler; real stragglers still are.
+
+Synthetic lockstep runs whose steps carry the run-queue wait a rank sends
+(``Step.rq_wait_ns``, cumulative): a starved rank's extra own work is time it
+was runnable but not running, a computing or sleeping straggler's is not.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from ddpscope.analysis.detectors.straggler import StragglerDetector
+from ddpscope.analysis.engine import Analysis
+from ddpscope.schema import Step
+from tests.support.synth import (
+    MS,
+    Phases,
+    feed,
+    findings,
+    healthy,
+    lockstep,
+    run_infos,
+    straggler,
+    with_run_queue,
+)
+
+#: ~100 ms steps: the 20-step window spans 2 s.
+BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)
+ONSET = 30
+SLOW = 1
+
+
+def own(s: Step) -> int:
+    return s.data_ns + s.forward_ns + s.backward_ns + s.optimizer_ns + s.other_ns
+
+
+def analyse(
+    world: int, steps: int, timing: Callable[[int, int], Phases], wait: Callable[[Step], int]
+) -> Analysis:
+    msgs = with_run_queue([*run_infos(world), *lockstep(world, steps, timing)], wait)
+    return feed(Analysis(detectors=[StragglerDetector()]), msgs)
+
+
+def noisy(seed: int, base: Phases = BASE) -> Callable[[int, int], Phases]:
+    return healthy(random.Random(seed), base, jitter=0.3, spike_p=0.03, spike=3.0)
+
+
+def starved(until: int = 10**9) -> Callable[[Step], int]:
+    """Rank SLOW gets half a CPU from ONSET on: half its (doubled) own work is run-queue
+    wait; every rank waits 5% of its own work anyway (a busy host)."""
+
+    def wait(s: Step) -> int:
+        if s.rank == SLOW and ONSET <= s.step < until:
+            return own(s) // 2
+        return own(s) // 20
+
+    return wait
+
+
+def busy_host(s: Step) -> int:
+    return own(s) // 20
+
+
+def kinds(analysis: Analysis) -> list[tuple[str, str, list[int], bool]]:
+    return [(f.kind, f.severity, f.ranks, f.active) for f in findings(analysis)]
+
+
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_starved_of_cpu_is_named_contention_not_a_straggler(world: int, seed: int) -> None:
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=2.0)
+    analysis = analyse(world, 200, slow, starved())
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
+    (f,) = findings(analysis)
+    ev = f.evidence
+    assert ev["host"] == "synth-host" and ev["explained_pct"] > 80
+    assert ev["on_cpu_ratio"] < 1.2
+    assert ev["extra_run_queue_ms_per_step"] > 30
+    assert f.message.startswith(f"rank {SLOW} waits for a CPU on host synth-host")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_same_slowness_without_run_queue_wait_is_a_straggler(seed: int) -> None:
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=2.0)
+    assert kinds(analyse(2, 200, slow, busy_host)) == [("straggler", "warning", [SLOW], True)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_busy_loop_on_a_host_where_every_rank_waits_is_still_a_straggler(seed: int) -> None:
+    # Every thread gets 30% of a core: 70% of everyone's own work is run-queue
+    # wait, the straggler's included. It waits more because it computes twice as
+    # much; on a CPU it is still 2x.
+    share = 0.3
+    loaded = straggler(noisy(seed, BASE.scaled(1 / share)), SLOW, start=ONSET, factor=2.0)
+    analysis = analyse(2, 200, loaded, lambda s: int(own(s) * (1 - share)))
+    assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_rank_that_sleeps_is_a_straggler_even_on_a_busy_host(seed: int) -> None:
+    # time.sleep is off the CPU by choice: no run-queue wait for the extra time.
+    sleepy = straggler(noisy(seed), SLOW, start=ONSET, extra_ns={"other": 60 * MS})
+    analysis = analyse(2, 200, sleepy, lambda s: BASE.total // 20)
+    assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
+
+
+def test_starvation_that_ends_resolves_its_finding() -> None:
+    slow = straggler(noisy(5), SLOW, start=ONSET, factor=2.0)
+
+    def timing(r: int, step: int) -> Phases:
+        return slow(r, step) if step < 100 else noisy(5)(r, step)
+
+    analysis = analyse(2, 200, timing, starved(until=100))
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], False)]
+    assert "keeps pace with the other ranks again" in findings(analysis)[0].message
+
+
+def test_a_starved_rank_that_then_computes_more_becomes_a_straggler() -> None:
+    # Starved from ONSET to step 100, then 2x slower on a CPU of its own.
+    slow = straggler(noisy(6), SLOW, start=ONSET, factor=2.0)
+    analysis = analyse(2, 250, slow, starved(until=100))
+    assert sorted(kinds(analysis)) == [
+        ("cpu_contention", "info", [SLOW], False),
+        ("straggler", "warning", [SLOW], True),
+    ]
+    (named,) = findings(analysis, "straggler")
+    assert named.step > 100
+
+
+def test_steps_without_run_queue_readings_keep_the_straggler() -> None:
+    """Recordings from before the field, or a rank on macOS: -1 on every step."""
+    slow = straggler(noisy(7), SLOW, start=ONSET, factor=2.0)
+    msgs = [*run_infos(2), *lockstep(2, 200, slow)]
+    assert all(m.rq_wait_ns == -1 for m in msgs if isinstance(m, Step))
+    analysis = feed(Analysis(detectors=[StragglerDetector()]), msgs)
+    assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]

@@ -1,0 +1,103 @@
+"""The run-queue wait reader, on this process's real /proc."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from ddpscope.hooks.schedwait import RunQueueWait, parse_schedstat
+
+HAS_SCHEDSTAT = os.path.exists(f"/proc/self/task/{threading.get_native_id()}/schedstat")
+needs_proc = pytest.mark.skipif(not HAS_SCHEDSTAT, reason="no /proc schedstat (macOS)")
+
+
+def _raw(tid: int) -> tuple[int, int, int]:
+    with open(f"/proc/self/task/{tid}/schedstat", "rb") as f:
+        return parse_schedstat(f.read())
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@needs_proc
+def test_the_thread_s_schedstat_parses_to_three_counters_that_only_grow() -> None:
+    tid = threading.get_native_id()
+    before = _raw(tid)
+    _spin(0.02)
+    after = _raw(tid)
+    assert all(x >= 0 for x in before)
+    # 20 ms on a CPU: the first counter moved; the wait and timeslices never go back.
+    assert after[0] > before[0]
+    assert after[1] >= before[1] and after[2] >= before[2]
+
+
+@needs_proc
+def test_a_reading_is_the_wait_field_of_the_thread_it_was_made_for() -> None:
+    tid = threading.get_native_id()
+    reader = RunQueueWait(tid)
+    try:
+        low = _raw(tid)[1]
+        got = reader.read()
+        high = _raw(tid)[1]
+        assert reader.available and low <= got <= high
+        readings = [reader.read() for _ in range(50)]
+        assert readings == sorted(readings)
+    finally:
+        reader.close()
+
+
+@needs_proc
+def test_another_thread_is_read_by_its_native_id_from_this_one() -> None:
+    started, stop, ids = threading.Event(), threading.Event(), []
+
+    def train() -> None:
+        ids.append(threading.get_native_id())
+        started.set()
+        stop.wait()
+
+    t = threading.Thread(target=train)
+    t.start()
+    started.wait()
+    reader = RunQueueWait(ids[0])
+    try:
+        low = _raw(ids[0])[1]
+        got = reader.read()
+        assert reader.available and got >= low
+    finally:
+        stop.set()
+        t.join()
+        reader.close()
+
+
+def test_a_thread_with_no_schedstat_reads_as_unknown_everywhere() -> None:
+    """What a rank on macOS (no /proc) puts on the wire: -1. No task has id 0."""
+    reader = RunQueueWait(0)
+    reader.sample(1_000)
+    reader.sample(2_000)
+    assert not reader.available
+    assert reader.read() == -1 and reader.at(1_500) == -1
+
+
+@needs_proc
+def test_the_wait_at_a_step_s_end_lies_between_the_readings_around_it() -> None:
+    reader = RunQueueWait(threading.get_native_id())
+    try:
+        reader.sample(1_000_000)
+        first = reader.at(1_000_000)
+        _spin(0.02)
+        reader.sample(2_000_000)
+        last = reader.at(2_000_000)
+        inside = [reader.at(t) for t in range(1_000_000, 2_000_001, 100_000)]
+        assert 0 <= first <= last
+        assert inside[0] == first and inside[-1] == last and inside == sorted(inside)
+        # A step that ended before the earlier reading gets that reading; a
+        # later time than the last reading gets the last one.
+        assert reader.at(0) == first and reader.at(3_000_000) == last
+    finally:
+        reader.close()
