@@ -40,6 +40,7 @@ from ddpscope.analysis.engine import Analysis
 from ddpscope.schema import Message, Step
 from tests.support.synth import (
     MS,
+    STEP_100MS,
     Phases,
     feed,
     findings,
@@ -50,7 +51,7 @@ from tests.support.synth import (
     with_run_queue,
 )
 
-BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)
+BASE = STEP_100MS
 FAST = Phases(data=MS, forward=2 * MS, backward=5 * MS, optimizer=MS, other=MS)
 ONSET = 30
 Timing = Callable[[int, int], Phases]

@@ -91,6 +91,13 @@ class Phases:
         return self.data + self.forward + self.backward + self.optimizer + self.other
 
 
+#: A realistic step (~100 ms of own work): a straggler detector's 20-step
+#: window then spans 2 s, above its 1 s floor.
+STEP_100MS = Phases(
+    data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS
+)
+
+
 #: phases(rank, step) -> that rank's own work in that step.
 Timing = Callable[[int, int], Phases]
 

@@ -17,6 +17,7 @@ from ddpscope.analysis.engine import Analysis
 from ddpscope.schema import Step
 from tests.support.synth import (
     MS,
+    STEP_100MS,
     Phases,
     feed,
     findings,
@@ -28,7 +29,7 @@ from tests.support.synth import (
 )
 
 #: ~100 ms steps: the 20-step window spans 2 s.
-BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)
+BASE = STEP_100MS
 ONSET = 30
 SLOW = 1
 

@@ -23,7 +23,7 @@ from ddpscope.schema import End, Heartbeat, Message, Shutdown
 from tests.support.synth import (
     MS,
     RUN,
-    Phases,
+    STEP_100MS,
     feed,
     findings,
     healthy,
@@ -32,7 +32,7 @@ from tests.support.synth import (
     straggler,
 )
 
-BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)
+BASE = STEP_100MS
 
 LOOPS: dict[str, dict[str, Any]] = {
     "batchnorm": {"buffers": True},

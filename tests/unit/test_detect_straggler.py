@@ -16,6 +16,7 @@ from ddpscope.analysis.waits import bucket_waits, median_without
 from ddpscope.schema import Message, Step
 from tests.support.synth import (
     MS,
+    STEP_100MS,
     Phases,
     constant,
     feed,
@@ -27,7 +28,7 @@ from tests.support.synth import (
 )
 
 #: A realistic step (~100 ms): the 20-step window then spans 2 s, above the 1 s floor.
-BASE = Phases(data=10 * MS, forward=25 * MS, backward=50 * MS, optimizer=10 * MS, other=5 * MS)
+BASE = STEP_100MS
 ONSET = 30
 
 
