@@ -33,7 +33,7 @@ import sys
 import tempfile
 from array import array
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, Protocol
 
 import msgpack
 
@@ -48,6 +48,21 @@ _HEAD = struct.Struct("<8sHI")
 _U32 = struct.Struct("<I")
 #: Larger metas are not an index this ddpscope wrote.
 MAX_META = 1 << 30
+
+
+class Blob(Protocol):
+    """What ``save`` writes: an ``array``, or anything laid out and written as one
+    (the replay pass's arrays, built on disk: replay/index_spill.py)."""
+
+    @property
+    def typecode(self) -> str: ...
+
+    @property
+    def itemsize(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def tofile(self, f: IO[bytes], /) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -163,7 +178,7 @@ def _layout(meta: dict[str, Any]) -> list[tuple[str, tuple[str, int, int]]]:
     return out
 
 
-def save(run_path: str, meta: dict[str, Any], arrays: dict[str, array]) -> str | None:
+def save(run_path: str, meta: dict[str, Any], arrays: dict[str, Blob]) -> str | None:
     """Write the index of ``run_path`` (built from ``stamps`` taken before the pass);
     the path written, or None when no place could take it."""
     layout: dict[str, tuple[str, int, int]] = {}
