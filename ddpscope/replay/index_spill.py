@@ -32,15 +32,31 @@ CHUNK = 512
 
 class Spill:
     """The temporary file the chunks of one index go to; made on the first full chunk
-    (a small recording never spills), removed when the index is let go."""
+    (a small recording never spills), removed when the index is let go.
+
+    Where no temporary file can be made or written (a full or read-only temporary
+    directory), chunks from then on stay in memory, as the whole index did before:
+    the replay still works, only without the bound."""
 
     def __init__(self) -> None:
         self._file: IO[bytes] | None = None
         self.fd = -1
         self._end = 0
+        #: Chunks that could not go to the file, at offsets -1, -2, ...
+        self._kept: list[bytes] = []
+        self.failed = False
 
     def put(self, data: bytes) -> int:
-        """Append ``data``; its offset in the file."""
+        """Append ``data``; where it can be read back (``read``)."""
+        if not self.failed:
+            try:
+                return self._write(data)
+            except OSError:
+                self.failed = True
+        self._kept.append(data)
+        return -len(self._kept)
+
+    def _write(self, data: bytes) -> int:
         if self._file is None:
             self._file = tempfile.TemporaryFile(prefix="ddpscope-index-")  # noqa: SIM115
             # Closed with the index, wherever it is let go (no ResourceWarning).
@@ -53,6 +69,11 @@ class Spill:
             view = view[n:]
         self._end = at + len(data)
         return at
+
+    def read(self, at: int, size: int) -> bytes:
+        if at < 0:
+            return self._kept[-at - 1]
+        return os.pread(self.fd, size, at)
 
     @property
     def size(self) -> int:
@@ -110,7 +131,7 @@ class SpilledArray:
         cached, data = self._cache
         if cached != c or data is None:
             data = array(self.typecode)
-            data.frombytes(os.pread(self._spill.fd, self._per * self.itemsize, self._chunks[c]))
+            data.frombytes(self._spill.read(self._chunks[c], self._per * self.itemsize))
             self._cache = (c, data)
         return data
 
@@ -135,5 +156,5 @@ class SpilledArray:
         """Write the elements as ``array.tofile`` would (the index file's blob)."""
         whole = self._per * self.itemsize
         for offset in self._chunks:
-            f.write(os.pread(self._spill.fd, whole, offset))
+            f.write(self._spill.read(offset, whole))
         self._tail.tofile(f)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -78,6 +79,23 @@ def test_a_spilled_array_writes_the_bytes_the_array_writes(
     with open(tmp_path / "b", "wb") as f:
         got.tofile(f)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+
+
+def test_without_a_usable_temporary_directory_the_chunks_stay_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(index_spill, "CHUNK", 4)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "not-there"))
+    spill = Spill()
+    ref, got = array("q"), SpilledArray("q", spill)
+    for v in range(50):
+        ref.append(v * 3)
+        got.append(v * 3)
+    assert spill.failed and spill.size == 0
+    assert got == ref and got[5:21] == ref[5:21] and got[-1] == ref[-1]
+    with open(tmp_path / "out", "wb") as f:
+        got.tofile(f)
+    assert (tmp_path / "out").read_bytes() == ref.tobytes()
 
 
 def test_a_reader_on_another_thread_finds_every_element_it_was_told_of(
