@@ -34,6 +34,14 @@ ranks simulated, the others repeating them under their own rank numbers: a
     python -m benchmarks.postmortem_scale --dir /tmp/pm1024 --only report --runs 3
     python -m benchmarks.postmortem_scale --dir /tmp/pm10k --steps 10000 --derive \
         --only replay_first --only replay_cached
+
+--sweep N [N ...] does it at each of those step counts (one derived recording
+each, under --dir, deleted once measured unless --keep) and adds, per reader,
+how its peak RSS grew per 1,000 steps between the first and the last: what a
+reader holds that grows with the run, rather than with the ranks:
+
+    python -m benchmarks.postmortem_scale --dir /tmp/pmsweep --sweep 1000 2000 4000 \
+        --only replay_first --only report
 """
 
 from __future__ import annotations
@@ -219,14 +227,61 @@ def main() -> None:
         action="store_true",
         help="remove the index file before each reader (but replay_cached): export as without one",
     )
+    ap.add_argument(
+        "--sweep",
+        type=int,
+        nargs="+",
+        metavar="STEPS",
+        help="each of these step counts (derived recordings), and peak RSS growth per 1,000 steps",
+    )
+    ap.add_argument("--keep", action="store_true", help="--sweep: keep the recordings")
     ap.add_argument("--child", choices=WHAT, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(one(args.child, args.dir)))
         return
+    if args.sweep:
+        print(json.dumps(sweep(args), indent=2))
+        return
+    print(
+        json.dumps(
+            measure_all(args, Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-pm-"))), indent=2
+        )
+    )
+
+
+def sweep(args: argparse.Namespace) -> dict[str, object]:
+    """``measure_all`` at each of ``args.sweep`` steps, then each reader's growth."""
+    import shutil
+
+    base = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-pm-sweep-"))
+    args.derive = True  # 1,024 x 4,000 simulated would take most of an hour to write
+    runs: dict[int, dict[str, object]] = {}
+    for steps in sorted(args.sweep):
+        args.steps = steps
+        directory = base / str(steps)
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            runs[steps] = measure_all(args, directory)
+        finally:
+            if not args.keep:
+                shutil.rmtree(directory, ignore_errors=True)
+        print(steps, json.dumps(runs[steps]), file=sys.stderr, flush=True)
+    low, high = min(runs), max(runs)
+    growth: dict[str, float] = {}
+    for what in args.only or WHAT:
+        a, b = runs[low][what], runs[high][what]
+        assert isinstance(a, dict) and isinstance(b, dict)
+        if high > low:
+            per = (b["peak_rss_mb"] - a["peak_rss_mb"]) * 1000 / (high - low)
+            growth[what] = round(per, 1)
+    return {"runs": runs, "peak_rss_mb_per_1000_steps": growth}
+
+
+def measure_all(args: argparse.Namespace, directory: Path) -> dict[str, object]:
+    """The recording of ``args`` in ``directory`` (written unless there), every reader."""
     from benchmarks.replay_open import write_derived, write_recording
 
-    directory = Path(args.dir or tempfile.mkdtemp(prefix="ddpscope-postmortem-"))
     out: dict[str, object] = {"world": args.world, "steps": args.steps, "buckets": args.buckets}
     stamp = directory / "complete"
     want = f"{args.world} {args.steps} {args.buckets}{' derived' if args.derive else ''}\n"
@@ -245,7 +300,7 @@ def main() -> None:
         print(what, json.dumps(out[what]), file=sys.stderr, flush=True)
     out["dir"] = str(directory)
     out["cpu_count"] = os.cpu_count()
-    print(json.dumps(out, indent=2))
+    return out
 
 
 if __name__ == "__main__":

@@ -46,7 +46,11 @@ class _File:
 
     def offsets(self, kinds: frozenset[int]) -> list[int]:
         pos = sorted(p for k in kinds for p in self.positions.get(k, ()))
-        return [self.offset[p] for p in pos]
+        out = [self.offset[p] for p in pos]
+        # Read once per export: the pages go back, so that memory holds one file's
+        # (the mapping is shared by every file's arrays, hence released whole).
+        index_file.release(self.offset)
+        return out
 
 
 def _records(rf: RankFile, offsets: list[int], problems: list[str]) -> Iterator[Message]:

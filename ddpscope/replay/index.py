@@ -6,7 +6,9 @@ anywhere in a fraction of one, without holding the decoded run in memory
 rank file once, in time order, and keeps only:
 
 - per file, the time, byte offset and kind of each record (a few bytes per
-  record), from which the player reads back any stretch of the run;
+  record), from which the player reads back any stretch of the run; these
+  grow with the run, so they are built on disk a chunk at a time
+  (:mod:`ddpscope.replay.index_spill`), and memory holds one chunk per array;
 - when each step was complete on every rank, for step-wise navigation;
 - the findings the live detectors raise, each time they change, fed exactly
   as ``ddpscope report`` feeds them (sender clocks, a tick every 250 ms of
@@ -25,7 +27,7 @@ import threading
 import time
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -43,6 +45,8 @@ from ddpscope.record.collect import reading_recording
 from ddpscope.record.format import SUFFIX, RecordError
 from ddpscope.record.reader import RankFile, RunDir, writers_alive
 from ddpscope.replay import cache
+from ddpscope.replay.index_spill import Spill, SpilledArray
+from ddpscope.replay.index_steps import StepTimes
 from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, Step, decode
 
 #: A code per message kind, stored per record (one byte instead of a string).
@@ -73,29 +77,32 @@ class Stream:
     (:mod:`ddpscope.record.clocks`).
     """
 
-    def __init__(self, rf: RankFile, shift: int = 0) -> None:
+    def __init__(self, rf: RankFile, shift: int = 0, spill: Spill | None = None) -> None:
+        """``spill``: where the arrays' full chunks go (by default a file of the stream's own)."""
         self.file = rf
+        self._spill = spill = Spill() if spill is None else spill
         self.rank = rf.rank
         #: Added to the file's monotonic times to put them on the replay's clock.
         self.shift = shift
         #: Running maximum of record times: the records a replay at time T has
         #: applied are exactly the prefix ``tmax[i] <= T`` (files are in write
         #: order, which is time order but for a few records).
-        self.tmax = array("q")
-        self.offset = array("q")
+        # Arrays while the pass builds them; typed views of the index file once loaded.
+        self.tmax: Any = SpilledArray("q", spill)
+        self.offset: Any = SpilledArray("q", spill)
         #: Record positions of step messages, and the two figures of each that
         #: the step-time sparklines draw (step time, and busy time: step time
         #: minus the collective waits, ms), so a seek fills the sparklines without
         #: decoding 120 steps of every rank.
-        self.step_pos = array("q")
-        self.step_ms = array("d")
-        self.busy_ms = array("d")
+        self.step_pos: Any = SpilledArray("q", spill)
+        self.step_ms: Any = SpilledArray("d", spill)
+        self.busy_ms: Any = SpilledArray("d", spill)
         #: Record positions per other kind, to find the newest of each before a point.
-        self.by_kind: dict[int, array[int]] = {}
+        self.by_kind: dict[int, Any] = {}
         #: Messages lost before they were recorded (gaps in sequence numbers),
         #: as it stood from each time on: the replay's "dropped" at a time T.
-        self.gap_t = array("q")
-        self.gap_n = array("q")
+        self.gap_t: Any = SpilledArray("q", spill)
+        self.gap_n: Any = SpilledArray("q", spill)
         self._seq_low = self._seq_high = -1
         self._seq_count = 0
         self._last_t = -(1 << 62)
@@ -126,7 +133,7 @@ class Stream:
             code = KIND_CODE[msg.KIND]
             kind = self.by_kind.get(code)
             if kind is None:
-                kind = self.by_kind[code] = array("q")
+                kind = self.by_kind[code] = SpilledArray("q", self._spill)
             kind.append(pos)
         if self.first_ns is None or first < self.first_ns:
             self.first_ns = first
@@ -178,8 +185,11 @@ class RecordingIndex:
         self.saved_to: str | None = None
         self._raised: list[int] | None = None
         self.clocks = HostClocks()
+        #: One temporary file takes every stream's full chunks.
+        self._spill = Spill()
         self.streams: list[Stream] = [
-            Stream(rf, self.clocks.shift(rf.header)) for rf in sorted(run.files, key=_file_order)
+            Stream(rf, self.clocks.shift(rf.header), self._spill)
+            for rf in sorted(run.files, key=_file_order)
         ]
         # Growing until the pass ends and finds every writer gone (_finish_if_over).
         self.analysis = build_analysis(
@@ -187,9 +197,9 @@ class RecordingIndex:
         )
         self.moments: list[Moment] = []
         self._moment_t = array("q")
+        self._steps = StepTimes()
         #: Per step number, the time its last rank reported it (complete everywhere then).
-        self.step_done: dict[int, int] = {}
-        self._step_seen: dict[int, int] = {}
+        self.step_done: Mapping[int, int] = self._steps
         self._newest_step = -1
         self.ranks_expected = 0
         self.first_t = -1
@@ -266,9 +276,9 @@ class RecordingIndex:
 
     def _to_file(
         self, files: list[index_file.FileStamp], key: dict[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, array]]:
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """(meta, arrays) of a finished pass over files as ``files`` stamped them."""
-        arrays: dict[str, array] = {}
+        arrays: dict[str, Any] = {}
         streams = []
         for i, s in enumerate(self.streams):
             for name in cache.STREAM_ARRAYS:
@@ -423,11 +433,8 @@ class RecordingIndex:
     def _observe(self, msg: Message, t: int) -> None:
         if isinstance(msg, Step):
             self._newest_step = max(self._newest_step, msg.step)
-            seen = self._step_seen.get(msg.step, 0) + 1
-            self._step_seen[msg.step] = seen
-            if seen >= max(self.ranks_expected, 1) or msg.step not in self.step_done:
-                # Until every rank has it, the step counts from its first report.
-                self.step_done[msg.step] = t
+            # Until every rank has it, the step counts from its first report.
+            self._steps.report(msg.step, t, max(self.ranks_expected, 1))
         elif isinstance(msg, RunInfo):
             self.ranks_expected = max(self.ranks_expected, msg.world_size)
         elif isinstance(msg, End):
@@ -462,7 +469,7 @@ class RecordingIndex:
                 continue  # a header still being written: look again next time
             self.run.files.append(rf)
             with self.lock:
-                self.streams.append(Stream(rf, self.clocks.shift(rf.header)))
+                self.streams.append(Stream(rf, self.clocks.shift(rf.header), self._spill))
         self.total_bytes = sum(_size(s.file.path) for s in self.streams)
 
     def _note_missing_ranks(self) -> None:

@@ -132,3 +132,36 @@ def test_the_timeline_from_the_analysis_pass_matches_the_one_read_from_the_files
     passed = Timeline(LazyRecording(rd), summary.stream.earliest())
     assert (passed.base_ns, passed.ranks, passed.notes) == (read.base_ns, read.ranks, read.notes)
     assert isinstance(summary.stream.earliest()[0][1], RunInfo)
+
+
+def mapped_kb(path: str) -> int:
+    """This process's resident KB of its mappings of ``path`` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = head[-1] == path
+            elif inside and head[:1] == ["Rss:"]:
+                total += int(head[1])
+    return total
+
+
+def test_an_export_through_the_index_holds_one_files_pages_of_it_not_the_whole(
+    tmp_path: Path,
+) -> None:
+    # 16 ranks' arrays (~1 MB of index): a reader going rank by rank touches every
+    # page once; kept resident, they would be the whole index, growing with the run.
+    run = recording(tmp_path / "run", world=16, steps=1_500)
+    build_index(run)
+    path = index_file.places(str(run))[0]
+    size_kb = os.path.getsize(path) // 1024
+    assert size_kb > 600
+    rec = indexed(choose_run(str(run)), frozenset(("step", "heartbeat")))
+    assert rec is not None
+    steps = 0
+    for rank in rec:
+        steps += sum(1 for _ in rec[rank])
+        # One file's arrays at most, and the pages the kernel maps around them.
+        assert mapped_kb(path) < size_kb / 4, (rank, mapped_kb(path), size_kb)
+    assert steps > 16 * 1_500
