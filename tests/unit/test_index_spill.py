@@ -13,7 +13,6 @@ import os
 import random
 import tempfile
 import threading
-import time
 import tracemalloc
 from array import array
 from bisect import bisect_left, bisect_right
@@ -26,13 +25,11 @@ from ddpscope.replay import index_spill
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.replay.index_spill import Spill, SpilledArray
 from ddpscope.replay.index_steps import StepTimes
-from ddpscope.replay.player import ReplayFeed
 from ddpscope.schema import End, Message
 from tests.support.rankfiles import RankFiles
-from tests.support.synth import MS, constant, healthy, lockstep, run_infos, straggler
+from tests.support.synth import MS, healthy, lockstep, run_infos, straggler
 from tests.unit.test_index_file import BASE, same_pass
-from tests.unit.test_replay_seek import REQUEST, played_to, sampled
-from tests.unit.test_report import write_run
+from tests.unit.test_replay_seek import REQUEST, indexed_feed, played_to
 
 
 def test_a_spilled_array_reads_back_as_the_array_it_stands_for(
@@ -219,18 +216,8 @@ def test_a_seek_through_an_index_built_on_disk_shows_what_playing_shows(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(index_spill, "CHUNK", 4)
-    steps = 80
-    msgs = [*run_infos(2), *sampled(lockstep(2, steps, constant()))]
-    t = max(m.t for m in msgs)
-    msgs += [End(run="x", rank=r, t=t + MS, reason="exit", step=steps) for r in range(2)]
-    run = write_run(tmp_path, msgs)
-    feed = ReplayFeed(RecordingIndex(find_runs(str(run))[-1], cache=False))
-    feed.start()
+    feed = indexed_feed(tmp_path, 80)
     try:
-        limit = time.monotonic() + 30
-        while not feed.index.done:
-            assert time.monotonic() < limit, "the index did not finish"
-            time.sleep(0.02)
         assert feed.index._spill.size > 0
         for step in (20, 70, 3, 40):
             feed.seek_step(step)

@@ -57,21 +57,28 @@ def played_to(feed: ReplayFeed, t: int) -> Snapshot:
     return monitor.build(REQUEST, FeedStats(), (), 0)
 
 
-def test_a_seek_shows_the_bucket_steps_playing_shows_when_bucket_timing_is_sampled(
-    tmp_path: Path,
-) -> None:
-    steps = 80
+def indexed_feed(tmp_path: Path, steps: int) -> ReplayFeed:
+    """A started replay of a 2-rank recording with sampled bucket timing, fully indexed."""
     msgs = [*run_infos(2), *sampled(lockstep(2, steps, constant()))]
     t = max(m.t for m in msgs)
     msgs += [End(run="x", rank=r, t=t + MS, reason="exit", step=steps) for r in range(2)]
     run = write_run(tmp_path, msgs)
     feed = ReplayFeed(RecordingIndex(find_runs(str(run))[-1], cache=False))
     feed.start()
+    limit = time.monotonic() + 30
+    while not feed.index.done:
+        if time.monotonic() > limit:
+            feed.stop()
+            raise AssertionError("the index did not finish")
+        time.sleep(0.02)
+    return feed
+
+
+def test_a_seek_shows_the_bucket_steps_playing_shows_when_bucket_timing_is_sampled(
+    tmp_path: Path,
+) -> None:
+    feed = indexed_feed(tmp_path, 80)
     try:
-        limit = time.monotonic() + 30
-        while not feed.index.done:
-            assert time.monotonic() < limit, "the index did not finish"
-            time.sleep(0.02)
         # 20: the window holds five timed steps; 70: only 48 and 64, and the view
         # (newest 64 steps) reaches back to 11, 16 and 32 as playing there does.
         for step in (20, 70, 40):
