@@ -60,6 +60,12 @@ CONNECT_GRACE_S = 0.5
 REQUEST_EVERY_S = 0.5
 #: Sends held in the grace period at most (beyond: counted as dropped sends).
 HOLD_MAX = 4096
+#: At close, how long ZeroMQ may still write what was sent to a connected peer.
+#: With 0 the messages the I/O thread had not written yet were discarded: under
+#: load a rank's last 17 messages, its End among them, never left (a relay test
+#: caught it). Nothing waits when no peer is connected (the sends were dropped
+#: then), and a peer that stops reading holds exit this long at most.
+EXIT_FLUSH_MS = 250
 #: A payload whose finisher is still not ready after this long is forced out.
 FORCE_AFTER_NS = 10_000_000_000
 
@@ -461,7 +467,7 @@ class Publisher:
             self._writer.close()
         self._run_queue.close()
         self.handshakes.close()
-        self._ctx.destroy(linger=0)
+        self._ctx.destroy(linger=EXIT_FLUSH_MS)
 
     def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
