@@ -6,6 +6,13 @@ next writes then fill the thread's bounded queue and block the event loop
 for good: the app can no longer exit, whatever signal it gets. Writes that
 fail here are dropped instead, so the app can always shut down (the
 lifeline, ddpscope/cli/lifeline.py, tells it when).
+
+Textual also restarts application mode on every SIGCONT, suspended or not,
+and each restart starts another input and output thread. The kernel sends
+SIGCONT with the SIGHUP of a lost terminal, and ``kill -CONT`` or a shell's
+``fg``/``bg`` send it too: the extra input threads, which are not daemons,
+outlive the app's exit and the process never ends. Here SIGCONT resumes
+only what a SIGTSTP suspended.
 """
 
 from __future__ import annotations
@@ -54,5 +61,11 @@ def use_tolerant_driver(app: App[Any]) -> None:
             file = getattr(self, "_file", None)
             if file is not None:
                 self._file = _Tolerant(file)
+
+        def _sigcont_application(self, *args: Any) -> None:
+            # Textual sets this flag exactly when its SIGTSTP handler suspended
+            # application mode to be restarted; start_application_mode clears it.
+            if getattr(self, "_must_signal_resume", False):
+                super()._sigcont_application(*args)
 
     app.driver_class = TolerantDriver

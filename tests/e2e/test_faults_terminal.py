@@ -249,6 +249,46 @@ def test_a_stop_signal_ends_watch_in_any_state(watch_term, sig: signal.Signals, 
     assert port_free(endpoint)
 
 
+def test_a_sigcont_to_a_running_watch_starts_nothing_and_q_still_quits(watch_term) -> None:
+    # The kernel sends SIGCONT with a lost terminal's SIGHUP; `kill -CONT` and
+    # a shell's bg/fg send it alone. Textual restarted its terminal threads on
+    # each, and the extra input threads kept the process alive after q.
+    import psutil
+
+    term, endpoint = watch_term
+    _ui_up(term)
+    _into(term, "paused")  # idle: the signal lands while the event loop waits
+    threads = psutil.Process(term.pid).num_threads()
+    for _ in range(3):
+        os.kill(term.pid, signal.SIGCONT)
+        term.read_for(0.3)
+    assert psutil.Process(term.pid).num_threads() == threads
+    term.send("q")
+    assert term.exit_status(timeout=GONE_S) == 0
+    assert port_free(endpoint)
+
+
+def _drained(term: Terminal) -> bool:
+    term.read_for(0.05)
+    return True
+
+
+def test_a_suspended_watch_resumes_drawing_on_sigcont(watch_term) -> None:
+    import psutil
+
+    term, endpoint = watch_term
+    _ui_up(term)
+    proc = psutil.Process(term.pid)
+    os.kill(term.pid, signal.SIGTSTP)
+    # Drained meanwhile: the app writes its last frame before it stops itself.
+    until(lambda: _drained(term) and proc.status() == psutil.STATUS_STOPPED, 10, "stopped")
+    term.raw = b""
+    os.kill(term.pid, signal.SIGCONT)
+    term.wait_for("listening on")  # the whole screen drawn again
+    term.send("q")
+    assert term.exit_status(timeout=GONE_S) == 0
+
+
 def test_a_stop_signal_while_watch_starts_ends_it(watch_term) -> None:
     term, endpoint = watch_term
     os.kill(term.pid, signal.SIGTERM)  # before the UI (or even Python) is up
