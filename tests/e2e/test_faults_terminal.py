@@ -276,7 +276,7 @@ def _drained(term: Terminal) -> bool:
 def test_a_suspended_watch_resumes_drawing_on_sigcont(watch_term) -> None:
     import psutil
 
-    term, endpoint = watch_term
+    term, _ = watch_term
     _ui_up(term)
     proc = psutil.Process(term.pid)
     os.kill(term.pid, signal.SIGTSTP)
