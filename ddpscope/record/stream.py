@@ -6,7 +6,9 @@ message: a 1,024-rank run of 10,000 steps would take tens of gigabytes).
 records a file wrote out of time order (a queued step written after a later
 heartbeat) are a few records apart, so sorting within ``REORDER`` records
 puts each file in time order, and a heap merges the files. Memory is the
-windows (files x REORDER messages), whatever the run's length.
+windows, whatever the run's length: REORDER messages a file up to 1,024
+files, shorter windows beyond (``reorder_window``), so that it stays flat in
+the ranks too.
 
 Beside the messages it keeps, per file, what readers of a whole recording
 ask of it: the time span, the last message in file order (did the rank end?),
@@ -19,12 +21,47 @@ import heapq
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from operator import itemgetter
+from typing import Any
 
 from ddpscope.record.reader import RankFile, RunDir, _int
 from ddpscope.schema import End, Message, RunInfo, SchemaError, Step, decode
 
 #: Records a file may be written out of time order by (the replay index uses the same).
+#: The worst seen in real recordings is 1 (a step written behind a heartbeat).
 REORDER = 64
+#: The shortest window, however many files.
+REORDER_MIN = 8
+#: Decoded messages all files' windows hold together, at most (~2.4 KB each):
+#: 1,024 files get the whole window, 4,096 get 16 records each.
+REORDER_BUDGET = 65_536
+
+
+def reorder_window(files: int) -> int:
+    """How many records each of ``files`` files is sorted within."""
+    return max(REORDER_MIN, min(REORDER, REORDER_BUDGET // max(1, files)))
+
+
+def sorted_within(entries: Iterator[Any], width: int) -> Iterator[Any]:
+    """``entries`` (tuples keyed by their first item, in nearly sorted order) in order,
+    sorted within ``width`` entries. An entry older than one already out shows the
+    window was short for this file: it comes out at once (a little late) and the
+    window doubles, up to REORDER, so the rest of the file is sorted."""
+    push, pop = heapq.heappush, heapq.heappop
+    window: list[Any] = []
+    last = None
+    for entry in entries:
+        if last is not None and entry[0] < last:
+            if width < REORDER:
+                width = min(REORDER, 2 * width)
+            yield entry
+            continue
+        push(window, entry)
+        if len(window) > width:
+            out = pop(window)
+            last = out[0]
+            yield out
+    while window:
+        yield pop(window)
 
 
 @dataclass
@@ -77,7 +114,8 @@ class RunStream:
         # windows' (time, n, message) as popped, keyed by time with itemgetter
         # (measured quicker than a lambda, and than merging whole tuples).
         by_rank = sorted(self.files, key=lambda f: f.rank)
-        streams = [self._file(f) for f in by_rank]
+        width = reorder_window(len(by_rank))
+        streams = [sorted_within(self._file(f), width) for f in by_rank]
         for entry in heapq.merge(*streams, key=itemgetter(0)):
             yield entry[2]
 
@@ -86,8 +124,6 @@ class RunStream:
         shift = self.shifts.get(rf.rank, 0)
         tap = self.tap
         rank = rf.rank
-        push, pop = heapq.heappush, heapq.heappop
-        window: list[tuple[int, int, Message]] = []
         n = 0
         read = 0
         # The tally's running figures are kept in locals and written back once the
@@ -122,16 +158,12 @@ class RunStream:
                 if t > last_t:
                     last_t = t
                 n += 1
-                push(window, (t + shift, n, msg))
-                if n > REORDER:
-                    yield pop(window)
+                yield t + shift, n, msg
         finally:
             tally.messages += n
             tally.bytes_read += read
             tally.first_t, tally.last_t, tally.earliest = first_t, last_t, earliest
             tally.info, tally.ended = info, ended
-        while window:
-            yield pop(window)
         tally.problems.extend(rf.problems)
 
     def problems(self) -> list[str]:

@@ -44,6 +44,7 @@ from ddpscope.record.clocks import HostClocks
 from ddpscope.record.collect import reading_recording
 from ddpscope.record.format import SUFFIX, RecordError
 from ddpscope.record.reader import RankFile, RunDir, writers_alive
+from ddpscope.record.stream import reorder_window, sorted_within
 from ddpscope.replay import cache
 from ddpscope.replay.index_spill import Spill, SpilledArray
 from ddpscope.replay.index_steps import StepTimes
@@ -52,9 +53,6 @@ from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, S
 #: A code per message kind, stored per record (one byte instead of a string).
 KIND_CODE = {kind: code for code, kind in enumerate(MESSAGE_TYPES)}
 STEP = KIND_CODE[Step.KIND]
-#: Records a file writes out of time order by at most this many (a step queued
-#: behind a later heartbeat): the pass sorts within a window this long.
-REORDER = 64
 #: A followed run is looked at again this often once its data is all read.
 FOLLOW_POLL_S = 0.25
 #: Records read per turn before the pass lets go of its lock.
@@ -354,7 +352,8 @@ class RecordingIndex:
         while not self._stop.is_set():
             # Keyed by time with itemgetter: measured quicker than a lambda, and
             # than merging whole tuples. On equal times, the first stream first.
-            streams = (self._read(s) for s in self.streams)
+            width = reorder_window(len(self.streams))
+            streams = (sorted_within(self._read(s), width) for s in self.streams)
             merged = heapq.merge(*streams, key=itemgetter(0))
             batch = 0
             for t, _, offset, stream, msg in merged:
@@ -400,12 +399,10 @@ class RecordingIndex:
         return finished
 
     def _read(self, stream: Stream) -> Iterator[tuple[int, int, int, Stream, Message]]:
-        """A file's messages from where the pass left it, sorted within a short window:
+        """A file's messages from where the pass left it, in file order:
         (time, n, offset, stream, message)."""
         rf = stream.file
         shift = stream.shift
-        push, pop = heapq.heappush, heapq.heappop
-        window: list[tuple[int, int, int, Stream, Message]] = []
         n = 0
         for offset, payload in rf.scan(stream._next_offset):
             self.read_bytes += len(payload) + 8
@@ -415,11 +412,7 @@ class RecordingIndex:
                 self.problems.append(f"{rf.path}: record at byte {offset} skipped: {exc}")
                 continue
             n += 1
-            push(window, (msg.t + shift, n, offset, stream, msg))
-            if n > REORDER:
-                yield pop(window)
-        while window:
-            yield pop(window)
+            yield msg.t + shift, n, offset, stream, msg
         partial = rf.end_offset < _size(rf.path)
         stream._next_offset = rf.end_offset
         if rf.problems:
