@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 import ddpscope
 from ddpscope.analysis.findings import Finding
 from ddpscope.export import Readable, Timeline
+from ddpscope.record.stream import REORDER, sorted_within
 from ddpscope.schema import Heartbeat, Message, Step
 
 #: Phases of a step in the order they are laid out (name, Step field). Each is
@@ -194,17 +195,25 @@ def _rank_events(
     shift = tl.ranks[rank].offset_ns - tl.base_ns
     # Lanes per model: end (trace ns) of the last all-reduce placed on each.
     lanes: dict[int, list[int]] = {}
-    # One pass over the messages: a recording read lazily is read once per rank.
-    steps: list[Step] = []
-    beats: list[Heartbeat] = []
-    for m in msgs:
-        if isinstance(m, Step):
-            steps.append(m)
-        elif isinstance(m, Heartbeat):
-            beats.append(m)
-    steps.sort(key=lambda s: (s.model, s.t_start))
+
+    def steps() -> Iterator[tuple[int, int, Step]]:
+        # One pass over the messages (a recording read lazily is read once per
+        # rank), heartbeats written on the way; the steps go on, nearly in start
+        # order, to be put in it within a short window: never a rank's all at once.
+        n = 0
+        for m in msgs:
+            if isinstance(m, Step):
+                n += 1
+                yield m.t_start, n, m
+            elif isinstance(m, Heartbeat):
+                _counter_events(rank, m, m.t + shift, pid, tracks.tid(rank, m.model, 0), w)
+                if len(w.buf) >= CHUNK:
+                    w.flush()
+
     add = w.buf.append  # the hot loop: millions of events on big runs
-    for s in steps:
+    # Start order within each model is what the lanes need; the window sorts all
+    # models' steps together, so each model's come in order too.
+    for _, _, s in sorted_within(steps(), REORDER):
         tid = tracks.tid(rank, s.model, 0)
         start = s.t_start + shift
         add(
@@ -225,8 +234,6 @@ def _rank_events(
         w.stats.collectives += _collective_events(rank, s, start, tracks, w)
         if len(w.buf) >= CHUNK:
             w.flush()
-    for m in beats:
-        _counter_events(rank, m, m.t + shift, pid, tracks.tid(rank, m.model, 0), w)
 
 
 def _bucket_events(

@@ -5,24 +5,18 @@ known only once every rank was read, so an export read every file twice:
 once for the timeline, once for the rows, decoding every record both times.
 Here each rank's files are read once: what the timeline needs (its earliest
 time, its first run info) is noted on the way, and its steps' figures (the
-numbers a row shows, unformatted) go to a temporary file, one pickled list per
-rank. Writing the rows then reads them back a rank at a time, so memory
-holds one rank's steps (as the two-pass export did), never the run.
-
-Pickle, because the figures are exact Python ints of any size (a damaged
-step's span can pass 64 bits) and the file is this process's own: an
-anonymous temporary file, written and read back here, never a recording.
+numbers a row shows, unformatted) go to a temporary file a chunk at a time
+(export/rowspool.py). Writing the rows then reads them back in row order, so
+memory holds a chunk, never a rank's steps, let alone the run.
 """
 
 from __future__ import annotations
 
-import pickle
-import tempfile
 from collections.abc import Iterable, Iterator
-from typing import IO
 
 from ddpscope.export import Scan, scan
-from ddpscope.export.table import Figures, figures, sort_key
+from ddpscope.export.rowspool import RowSpool
+from ddpscope.export.table import Figures, figures
 from ddpscope.record.reader import RunDir
 from ddpscope.record.stream import LazyRecording
 from ddpscope.schema import Message, Step
@@ -33,18 +27,13 @@ class SpooledSteps:
 
     def __init__(self, recording: LazyRecording) -> None:
         self._recording = recording
-        self._file: IO[bytes] = tempfile.TemporaryFile(prefix="ddpscope-export-")  # noqa: SIM115
-        self._at: dict[int, tuple[int, int]] = {}
+        self._spool = RowSpool()
         #: Per rank, (earliest time on its own clock, first run info): ``export.scan``.
         self.scans: dict[int, Scan] = {}
         try:
             for rank, msgs in recording.messages.items():
-                rows: list[Figures] = []
-                self.scans[rank] = scan(_noting_steps(msgs, rows))
-                rows.sort(key=sort_key)
-                blob = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
-                self._at[rank] = (self._file.tell(), len(blob))
-                self._file.write(blob)
+                self.scans[rank] = scan(_noting_steps(msgs, self._spool, rank))
+                self._spool.end_rank(rank)
         except BaseException:
             self.close()
             raise
@@ -61,23 +50,18 @@ class SpooledSteps:
     def problems(self) -> list[str]:
         return self._recording.problems
 
-    def figures(self, rank: int) -> list[Figures]:
+    def figures(self, rank: int) -> Iterator[Figures]:
         """The rank's figures in row order."""
-        at = self._at.get(rank)
-        if at is None:
-            return []
-        offset, size = at
-        self._file.seek(offset)
-        rows: list[Figures] = pickle.loads(self._file.read(size))
-        return rows
+        return self._spool.rows(rank)
 
     def close(self) -> None:
-        self._file.close()
+        self._spool.close()
 
 
-def _noting_steps(msgs: Iterable[Message], rows: list[Figures]) -> Iterator[Message]:
-    """``msgs`` passed through, each step's figures noted on ``rows`` on the way."""
+def _noting_steps(msgs: Iterable[Message], spool: RowSpool, rank: int) -> Iterator[Message]:
+    """``msgs`` passed through, each step's figures added to ``spool`` on the way."""
+    add = spool.add
     for m in msgs:
         if isinstance(m, Step):
-            rows.append(figures(m))
+            add(rank, figures(m))
         yield m

@@ -75,21 +75,18 @@ def figures(s: Step) -> Figures:
     )
 
 
-def sort_key(f: Figures) -> tuple[object, object]:
-    return f[0], f[1]
+def rank_figures(msgs: Iterable[Message]) -> Iterator[Figures]:
+    """A rank's steps as figures, in row order (a stable sort of file order), in
+    bounded memory (export/rowspool.py)."""
+    from ddpscope.export.rowspool import in_row_order
 
-
-def rank_figures(msgs: Iterable[Message]) -> list[Figures]:
-    """A rank's steps as figures, in row order (a stable sort of file order)."""
-    out = [figures(m) for m in msgs if isinstance(m, Step)]
-    out.sort(key=sort_key)
-    return out
+    return in_row_order(figures(m) for m in msgs if isinstance(m, Step))
 
 
 def rows(
     recording: Readable,
     timeline: Timeline | None = None,
-    by_rank: Callable[[int], list[Figures]] | None = None,
+    by_rank: Callable[[int], Iterable[Figures]] | None = None,
 ) -> Iterator[list[object]]:
     """The table's rows (without the header), by rank, then model, then step start.
 
@@ -133,7 +130,7 @@ def write_csv(
     recording: Readable,
     out: TextIO,
     timeline: Timeline | None = None,
-    by_rank: Callable[[int], list[Figures]] | None = None,
+    by_rank: Callable[[int], Iterable[Figures]] | None = None,
 ) -> int:
     """Write the header and every row to ``out`` (opened with newline=""); returns the rows."""
     writer = csv.writer(out, lineterminator="\n")
