@@ -70,7 +70,15 @@ class RankView:
     heartbeat: Heartbeat | None = None
     layout: BucketLayout | None = None
     hparams: HParams | None = None
+    #: Model 0's fingerprints by step (other models': ``fingerprints_of``).
     fingerprints: dict[int, Fingerprint] = field(default_factory=dict)
+    #: Fingerprints of the models attached after the first, by model, then step.
+    more_fingerprints: dict[int, dict[int, Fingerprint]] = field(default_factory=dict)
+    #: The newest run info of each attached model (``info`` is model 0's).
+    infos: dict[int, RunInfo] = field(default_factory=dict)
+    #: Steps of the models attached after the first (a GAN's discriminator): counted,
+    #: not kept: the step rows and the detectors follow model 0.
+    other_model_steps: int = 0
     passes: dict[tuple[int, int], PassView] = field(default_factory=dict)
     stacks: Stacks | None = None
     end: End | None = None
@@ -92,6 +100,12 @@ class RankView:
     seq_count: int = 0
     pid: int = -1
     duplicates: int = 0
+
+    def fingerprints_of(self, model: int) -> dict[int, Fingerprint]:
+        """The fingerprints of attached model ``model``, by step."""
+        if model == 0:
+            return self.fingerprints
+        return self.more_fingerprints.setdefault(model, {})
 
     @property
     def last_step(self) -> Step | None:
@@ -212,7 +226,9 @@ class RunState:
         return True
 
     def _on_run_info(self, view: RankView, msg: RunInfo, rx_ns: int) -> bool:
-        view.info = msg
+        view.infos[msg.model] = msg
+        if msg.model == 0 or view.info is None:
+            view.info = msg
         view.pid = msg.pid
         if msg.world_size > self.world_size:
             self.world_size = msg.world_size
@@ -234,6 +250,12 @@ class RunState:
                     del self.by_step[step]
 
     def _on_step(self, view: RankView, msg: Step, rx_ns: int) -> bool:
+        if msg.model:
+            # Another model's step of the same number is not a duplicate of model 0's.
+            view.other_model_steps += 1
+            if rx_ns > view.last_step_rx_ns:
+                view.last_step_rx_ns = rx_ns
+            return True
         row = self.by_step.get(msg.step)
         if row is None:
             row = self.by_step[msg.step] = {}
@@ -273,19 +295,20 @@ class RunState:
         return True
 
     def _on_layout(self, view: RankView, msg: BucketLayout, rx_ns: int) -> bool:
-        if view.layout is None or msg.generation >= view.layout.generation:
-            view.layout = msg
+        if msg.model == 0 and (view.layout is None or msg.generation >= view.layout.generation):
+            view.layout = msg  # model 0's, as its steps are (another's buckets differ)
         return True
 
     def _on_hparams(self, view: RankView, msg: HParams, rx_ns: int) -> bool:
-        if view.hparams is None or msg.t >= view.hparams.t:
+        if msg.model == 0 and (view.hparams is None or msg.t >= view.hparams.t):
             view.hparams = msg
         return True
 
     def _on_fingerprint(self, view: RankView, msg: Fingerprint, rx_ns: int) -> bool:
-        view.fingerprints[msg.step] = msg
-        if self.history is not None and len(view.fingerprints) > MAX_FINGERPRINTS:
-            del view.fingerprints[min(view.fingerprints)]
+        fps = view.fingerprints_of(msg.model)
+        fps[msg.step] = msg
+        if self.history is not None and len(fps) > MAX_FINGERPRINTS:
+            del fps[min(fps)]
         return True
 
     def _on_pass(self, view: RankView, msg: SamplerPass, rx_ns: int) -> bool:

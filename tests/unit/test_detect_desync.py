@@ -86,11 +86,34 @@ def test_buffers_are_compared_only_without_broadcast_buffers() -> None:
     # broadcast_buffers=True (DDP's default): BatchNorm statistics differ between forwards
     assert findings(analyse(msgs)) == []
     (f,) = findings(analyse(msgs, ddp={"broadcast_buffers": False}))
-    assert f.evidence["tensors"] == "buffers" and f.severity == "warning"
+    assert f.evidence["tensors"] == "buffers"
     assert f.evidence["names"] == ["1.running_mean", "1.running_var"]
     assert f.evidence["broadcast_buffers"] is False
     assert "broadcast_buffers=False" in f.fix and "SyncBatchNorm" in f.fix
     assert "2 buffers" in f.message
+
+
+def test_batchnorm_statistics_that_differ_without_broadcast_buffers_are_info_not_a_desync() -> None:
+    # What broadcast_buffers=False means (detectron2 sets it): each rank's own statistics.
+    msgs = fps(2, 6, r1=(P, changed(B, 0, 1)))
+    (f,) = findings(analyse(msgs, ddp={"broadcast_buffers": False}))
+    assert f.severity == "info" and f.evidence["norm_stats_only"] is True
+    assert f.message.startswith("normalisation running statistics differ across ranks")
+    assert "diverged" not in f.message
+
+
+def test_a_buffer_that_is_no_running_statistic_differing_is_a_warning() -> None:
+    buffers = [*BUFFERS, ["pos_table", [64], "float32"]]
+    mine = [*B, 88]
+    msgs = fps(2, 6, buffers=mine, r1=(P, changed(mine, 3)))
+    (f,) = findings(analyse(msgs, buffers=buffers, ddp={"broadcast_buffers": False}))
+    assert f.severity == "warning" and f.evidence["names"] == ["pos_table"]
+    assert f.message.startswith("replicas have diverged")
+    # Statistics first (info), then another buffer too: it becomes the warning.
+    msgs = fps(2, 6, buffers=mine, r1=(P, changed(mine, 0)))
+    msgs += fps(2, 7, buffers=mine, r1=(P, changed(mine, 0, 3)))
+    (f,) = findings(analyse(msgs, buffers=buffers, ddp={"broadcast_buffers": False}))
+    assert f.severity == "warning" and f.evidence["norm_stats_only"] is False
 
 
 def test_params_and_buffers_are_reported_apart() -> None:

@@ -24,9 +24,12 @@ Buffers are only compared when DDP runs with ``broadcast_buffers=False``:
 with the default ``True`` DDP re-broadcasts rank 0's buffers at every forward,
 and BatchNorm then updates its running statistics from each rank's own batch,
 so buffers legitimately differ between two forwards on a healthy run. With
-``broadcast_buffers=False`` a difference persists and is reported, as a
-warning: the replicas train identically but evaluate (and checkpoint)
-differently.
+``broadcast_buffers=False`` a difference persists and is reported: the
+replicas train identically but evaluate (and checkpoint) differently. Where
+only normalisation layers' running statistics differ, that is what
+``broadcast_buffers=False`` means (detectron2 and others set it on purpose:
+each rank's statistics come from its own batches), and the finding is info;
+any other buffer that differs makes it a warning.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ NAMES_IN_EVIDENCE = 16
 MAX_PENDING = 256
 
 _WHAT = {"params": ("parameter", "parameters"), "buffers": ("buffer", "buffers")}
+
+#: Buffers that BatchNorm (and InstanceNorm with running stats) update from the
+#: local batch: with broadcast_buffers=False they differ on a healthy run.
+NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 _FIX_PARAMS = (
     "Replicas must apply identical updates. Usual causes: an in-place edit of weights on "
@@ -82,18 +89,22 @@ class _Diff:
     ranks: list[int]
 
 
+#: (model, step): a fingerprint's place. Every attached model is compared apart.
+_At = tuple[int, int]
+
+
 @dataclass
 class _Memo:
-    #: Step -> number of ranks it was compared with.
-    compared: dict[int, int] = field(default_factory=dict)
-    compared_order: deque[int] = field(default_factory=deque)
-    pending: set[int] = field(default_factory=set)
-    #: Step -> ranks whose fingerprint of it arrived (until compared).
-    arrived: dict[int, set[int]] = field(default_factory=dict)
-    #: Newest fingerprint step each rank sent.
-    newest: dict[int, int] = field(default_factory=dict)
-    #: Newest step compared, per kind of tensor.
-    latest: dict[str, int] = field(default_factory=dict)
+    #: (model, step) -> number of ranks it was compared with.
+    compared: dict[_At, int] = field(default_factory=dict)
+    compared_order: deque[_At] = field(default_factory=deque)
+    pending: set[_At] = field(default_factory=set)
+    #: (model, step) -> ranks whose fingerprint of it arrived (until compared).
+    arrived: dict[_At, set[int]] = field(default_factory=dict)
+    #: (rank, model) -> newest fingerprint step that rank sent of that model.
+    newest: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: (model, kind of tensor) -> newest step compared.
+    latest: dict[tuple[int, str], int] = field(default_factory=dict)
 
 
 def compare(digests: dict[int, list[int]]) -> _Diff | None:
@@ -130,16 +141,22 @@ def compare(digests: dict[int, list[int]]) -> _Diff | None:
     return _Diff(indices, minority, ambiguous, sorted(minority))
 
 
-def _names(run: RunState, attr: str) -> list[str]:
+def _names(run: RunState, attr: str, model: int = 0) -> list[str]:
     for view in run.ranks.values():
-        if view.info is not None:
-            return [str(entry[0]) for entry in getattr(view.info, attr)]
+        info = view.infos.get(model)
+        if info is not None:
+            return [str(entry[0]) for entry in getattr(info, attr)]
     return []
 
 
-def _broadcast_buffers(run: RunState) -> bool:
+def _key(what: str, model: int) -> str:
+    """The finding's key: ``params`` or ``buffers``, with the model when not the first."""
+    return what if model == 0 else f"{what}:{model}"
+
+
+def _broadcast_buffers(run: RunState, model: int = 0) -> bool:
     """DDP's broadcast_buffers, True (DDP's default) unless every rank says False."""
-    infos = [v.info for v in run.ranks.values() if v.info is not None]
+    infos = [v.infos[model] for v in run.ranks.values() if model in v.infos]
     if not infos:
         return True
     return any(bool(i.ddp.get("broadcast_buffers", True)) for i in infos)
@@ -167,18 +184,20 @@ class DesyncDetector:
         if not isinstance(msg, Fingerprint):
             return
         memo = self._memos.setdefault(run.run_id, _Memo())
-        memo.newest[msg.rank] = max(memo.newest.get(msg.rank, -1), msg.step)
+        at = (msg.model, msg.step)
+        mine = (msg.rank, msg.model)
+        memo.newest[mine] = max(memo.newest.get(mine, -1), msg.step)
         # Count arrivals per step: gathering the row once per step, not once per message.
-        seen = memo.arrived.setdefault(msg.step, set())
+        seen = memo.arrived.setdefault(at, set())
         seen.add(msg.rank)
         if len(memo.arrived) > MAX_PENDING:
             del memo.arrived[min(memo.arrived)]
         if len(seen) >= max(2, run.world_size or len(run.ranks)):
-            memo.pending.discard(msg.step)
-            memo.arrived.pop(msg.step, None)
-            self._compare(run, memo, msg.step, self._rows(run, msg.step), book)
+            memo.pending.discard(at)
+            memo.arrived.pop(at, None)
+            self._compare(run, memo, at, self._rows(run, at), book)
         else:
-            memo.pending.add(msg.step)
+            memo.pending.add(at)
             if len(memo.pending) > MAX_PENDING:
                 memo.pending.discard(min(memo.pending))
 
@@ -186,32 +205,34 @@ class DesyncDetector:
         memo = self._memos.get(run.run_id)
         if memo is None or not memo.pending:
             return
-        for step in sorted(memo.pending):
-            if not self._stale(run, memo, step):
+        for at in sorted(memo.pending):
+            if not self._stale(run, memo, at):
                 continue
-            memo.pending.discard(step)
-            rows = self._rows(run, step)
-            if len(rows) >= 2 and memo.compared.get(step, 0) < len(rows):
-                self._compare(run, memo, step, rows, book)
+            memo.pending.discard(at)
+            rows = self._rows(run, at)
+            if len(rows) >= 2 and memo.compared.get(at, 0) < len(rows):
+                self._compare(run, memo, at, rows, book)
 
     # --- internals -------------------------------------------------------------------
 
-    def _rows(self, run: RunState, step: int) -> dict[int, Fingerprint]:
+    def _rows(self, run: RunState, at: _At) -> dict[int, Fingerprint]:
+        model, step = at
         rows = {}
         for r in run.expected_ranks():
             view = run.ranks.get(r)
-            fp = view.fingerprints.get(step) if view is not None else None
+            fp = view.fingerprints_of(model).get(step) if view is not None else None
             if fp is not None:
                 rows[r] = fp
         return rows
 
-    def _stale(self, run: RunState, memo: _Memo, step: int) -> bool:
+    def _stale(self, run: RunState, memo: _Memo, at: _At) -> bool:
         """Every rank either sent this step, moved past it, or ended."""
+        model, step = at
         for r in run.expected_ranks():
             view = run.ranks.get(r)
-            if view is not None and (step in view.fingerprints or view.end is not None):
+            if view is not None and (step in view.fingerprints_of(model) or view.end is not None):
                 continue
-            if memo.newest.get(r, -1) <= step:
+            if memo.newest.get((r, model), -1) <= step:
                 return False
         return True
 
@@ -219,39 +240,42 @@ class DesyncDetector:
         self,
         run: RunState,
         memo: _Memo,
-        step: int,
+        at: _At,
         rows: dict[int, Fingerprint],
         book: FindingBook,
     ) -> None:
-        memo.compared[step] = len(rows)
-        memo.compared_order.append(step)
+        memo.compared[at] = len(rows)
+        memo.compared_order.append(at)
         if len(memo.compared_order) > 4 * MAX_PENDING:
             memo.compared.pop(memo.compared_order.popleft(), None)
         if len(rows) < 2:
             return
+        model, step = at
         kinds = ["params"]
-        if not _broadcast_buffers(run):
+        if not _broadcast_buffers(run, model):
             kinds.append("buffers")
         for what in kinds:
-            if step < memo.latest.get(what, -1):
+            if step < memo.latest.get((model, what), -1):
                 continue  # a late, older step must not overwrite a newer verdict
-            memo.latest[what] = step
+            memo.latest[(model, what)] = step
             diff = compare({r: list(getattr(fp, what)) for r, fp in rows.items()})
             if diff is None:
-                book.resolve(KIND, what)
+                book.resolve(KIND, _key(what, model))
             else:
-                self._report(run, what, step, diff, sorted(rows), book)
+                self._report(run, what, at, diff, sorted(rows), book)
 
     def _report(
         self,
         run: RunState,
         what: str,
-        step: int,
+        at: _At,
         diff: _Diff,
         ranks: list[int],
         book: FindingBook,
     ) -> None:
-        names = _names(run, what)
+        model, step = at
+        key = _key(what, model)
+        names = _names(run, what, model)
         label = [names[i] if i < len(names) else f"{what}[{i}]" for i in diff.indices]
         one, many = _WHAT[what]
         noun = one if len(label) == 1 else many
@@ -272,12 +296,23 @@ class DesyncDetector:
             plural = len(diff.ranks) > 1
             who = f"rank{'s' if plural else ''} {_list(diff.ranks)} differ{'' if plural else 's'}"
             who += " from the majority"
-        old = book.get(KIND, what)
+        old = book.get(KIND, key)
         first = old.step if old is not None and old.active else step
-        message = (
-            f"replicas have diverged: {len(label)} {noun} ({quoted}) differ across ranks at "
-            f"step {first}; {who}."
-        )
+        stats_only = what == "buffers" and all(_is_norm_stat(n) for n in label)
+        if stats_only:
+            message = (
+                f"normalisation running statistics differ across ranks ({len(label)} {noun}: "
+                f"{quoted}) from step {first}, as expected with broadcast_buffers=False: each "
+                "rank's come from its own batches, so evaluation and checkpoints depend on "
+                f"the rank they come from; {who}."
+            )
+        else:
+            message = (
+                f"replicas have diverged: {len(label)} {noun} ({quoted}) differ across ranks "
+                f"at step {first}; {who}."
+            )
+        if model:
+            message = f"model {model} (attached {_ordinal(model + 1)}): {message}"
         evidence: dict[str, Any] = {
             "tensors": what,
             "first_step": first,
@@ -289,14 +324,17 @@ class DesyncDetector:
             "minority_counts": {str(r): c for r, c in sorted(diff.minority.items())[:64]},
             "reference": f"rank {ranks[0]}" if diff.ambiguous else "majority",
             "ranks_compared": len(ranks),
+            "model": model,
         }
         if what == "buffers":
             evidence["broadcast_buffers"] = False
+            evidence["norm_stats_only"] = stats_only
+        severity = "error" if what == "params" else "info" if stats_only else "warning"
         book.raise_or_update(
-            what,
+            key,
             Finding(
                 kind=KIND,
-                severity="error" if what == "params" else "warning",
+                severity=severity,
                 ranks=diff.ranks,
                 step=step,
                 message=message,
@@ -304,6 +342,14 @@ class DesyncDetector:
                 evidence=evidence,
             ),
         )
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n if n < 20 else n % 10, 'th') }"
+
+
+def _is_norm_stat(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in NORM_STATS
 
 
 def _list(ranks: list[int], limit: int = 8) -> str:

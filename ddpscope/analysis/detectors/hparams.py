@@ -112,6 +112,8 @@ class _Memo:
     latest: dict[Key, int] = field(default_factory=dict)
     #: How many optimizers and groups the run has (for short key names).
     shape: tuple[int, int] = (0, 0)
+    #: The attached model these optimizers step (a GAN's two are compared apart).
+    model: int = 0
 
 
 class HyperparamDetector:
@@ -122,10 +124,12 @@ class HyperparamDetector:
     def __init__(self, mode: Mode = LIVE, margin: int = 2) -> None:
         self.mode = mode
         self.margin = margin
-        self._memos: dict[str, _Memo] = {}
+        #: (run id, model) -> what is known of that model's optimizers.
+        self._memos: dict[tuple[str, int], _Memo] = {}
 
     def reset(self, run_id: str) -> None:
-        self._memos.pop(run_id, None)
+        for key in [k for k in self._memos if k[0] == run_id]:
+            del self._memos[key]
 
     def finish(self, run: RunState, book: FindingBook) -> None:
         self.tick(run, book)
@@ -133,7 +137,9 @@ class HyperparamDetector:
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, HParams):
             return
-        memo = self._memos.setdefault(run.run_id, _Memo())
+        memo = self._memos.get((run.run_id, msg.model))
+        if memo is None:
+            memo = self._memos[(run.run_id, msg.model)] = _Memo(model=msg.model)
         self._remember(memo, msg)
         if len(memo.exact[msg.step]) >= (run.world_size or len(run.ranks)):
             # Every rank reported this very step: compare now (first sight, schedulers).
@@ -146,13 +152,13 @@ class HyperparamDetector:
                 memo.pending.discard(min(memo.pending))
 
     def tick(self, run: RunState, book: FindingBook) -> None:
-        memo = self._memos.get(run.run_id)
-        if memo is None:
-            return
-        for step in sorted(memo.pending):
-            if self._known(run, memo, step):
-                memo.pending.discard(step)
-                self._compare(run, memo, step, book)
+        for (run_id, _), memo in self._memos.items():
+            if run_id != run.run_id:
+                continue
+            for step in sorted(memo.pending):
+                if self._known(run, memo, step):
+                    memo.pending.discard(step)
+                    self._compare(run, memo, step, book)
 
     # --- internals -------------------------------------------------------------------
 
@@ -282,13 +288,15 @@ def _cluster(values: dict[int, Value | None]) -> list[tuple[Value | None, list[i
 
 
 def _key_name(memo: _Memo, key: Key) -> str:
+    """The finding's key and its name in messages; a model after the first says which."""
     i, j, name = key
     optimizers, groups = memo.shape
+    model = f"model {memo.model} " if memo.model else ""
     if j < 0:
-        return f"optimizer {i} {name}"
+        return f"{model}optimizer {i} {name}"
     if optimizers <= 1 and groups <= 1:
-        return name
-    return f"optimizer {i} group {j} {name}"
+        return model + name
+    return f"{model}optimizer {i} group {j} {name}"
 
 
 def _ranks(ranks: list[int], limit: int = 8) -> str:
