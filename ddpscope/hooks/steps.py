@@ -201,6 +201,11 @@ class StepTracker:
         self._bwd_sync = False
         self._compute_end = 0
         self._opt_start: int | None = None
+        #: Relevant optimizer steps open, one inside another: ZeroRedundancyOptimizer
+        #: and accelerate's wrapper step an inner optimizer, then finish their own.
+        self._opt_depth = 0
+        #: id() of the optimizer whose step opened the phase.
+        self._opt_outer = 0
         #: Open forward/optimizer calls, innermost last: [phase, start of the
         #: running interval or None while a nested phase holds the time,
         #: resume only after a backward (an optimizer that ran a closure)].
@@ -474,6 +479,12 @@ class StepTracker:
     def optimizer_pre(self, opt: Any) -> None:
         if not self.enabled or not self._relevance(opt)[0]:
             return
+        if self._opt_start is not None and id(opt) != self._opt_outer:
+            self._opt_depth += 1  # an inner optimizer, stepped by the outer one
+            return
+        # (The outer one again: its last step raised before its post-hook ran.)
+        self._opt_depth = 1
+        self._opt_outer = id(opt)
         if self._opt_start is None:
             t = self._opt_start = self.stamp()
             if self._start is None:
@@ -491,6 +502,12 @@ class StepTracker:
         relevant, covers_all, _ = self._relevance(opt)
         if not relevant:
             return
+        if self._opt_depth > 1:
+            # An inner optimizer's step is done; the one around it (which may still
+            # broadcast its shards: ZeRO) ends the phase.
+            self._opt_depth -= 1
+            return
+        self._opt_depth = 0
         t = self.stamp()
         for i in range(len(self._open) - 1, -1, -1):
             entry = self._open[i]

@@ -104,3 +104,69 @@ def test_a_forward_that_raised_does_not_hold_the_next_ones_as_nested(
         assert _booked(s) <= s.t_end - s.t_start, s
     # The time between steps is data again once the failed forward is over.
     assert all(s.data_ns > 0 for s in steps[2:]), steps
+
+
+class Sharded(torch.optim.Optimizer):
+    """Steps an inner optimizer, then broadcasts every parameter, as ZeroRedundancyOptimizer
+    does (its inner optimizer holds this rank's shard; here, all of them)."""
+
+    def __init__(self, params: list[nn.Parameter], after_s: float) -> None:
+        super().__init__(params, {})
+        self.inner = torch.optim.SGD(params, lr=0.1)
+        self.after_s = after_s
+
+    def step(self, closure: object = None) -> None:  # type: ignore[override]
+        self.inner.step()
+        time.sleep(self.after_s)  # the sync of the shards, after the inner step
+        for group in self.param_groups:
+            for p in group["params"]:
+                torch.distributed.broadcast(p.data, src=0)
+
+
+def test_an_optimizer_that_steps_an_inner_one_ends_the_step_when_it_returns(
+    fresh_rank: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = DDP(SlowForward())
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
+    opt = Sharded(list(model.parameters()), after_s=FORWARD_SLEEP_S)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    for _ in range(4):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    steps = _steps(handle, fresh_rank)
+    assert len(steps) == 4
+    for s in steps:
+        assert _booked(s) <= s.t_end - s.t_start, s
+        # The work after the inner step is the outer one's: optimizer time, and its
+        # broadcasts are inside the step, not after its end.
+        assert s.optimizer_ns >= FORWARD_SLEEP_S * 1e9 * 0.9, s
+        assert s.c_op.count("broadcast") == 4, s.c_op
+        assert all(0 <= o <= s.t_end - s.t_start for o in s.c_offset_ns), s
+
+
+def test_an_optimizer_step_that_raised_does_not_keep_the_next_steps_open(
+    fresh_rank: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = DDP(SlowForward())
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    for i in range(4):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if i == 1:
+            # The step raises after its pre-hook ran: its post-hook never runs.
+            def boom(*_: object) -> None:
+                raise RuntimeError("inf in the update")
+
+            hook = opt.register_step_pre_hook(boom)
+            with pytest.raises(RuntimeError):
+                opt.step()
+            hook.remove()
+            continue
+        opt.step()
+    steps = _steps(handle, fresh_rank)
+    assert [s.optimizer_steps for s in steps][-2:] == [1, 1], steps

@@ -1,0 +1,63 @@
+"""Correct DDP scripts in shapes the demo has not got raise nothing (tests/jobs/shapes_job.py).
+
+Each is a real 2-rank torchrun job (gloo, CPU) with ddpscope attached and
+recording, then ``ddpscope report --json``: no warning or error, every step
+recorded on every rank, the phases adding up. The shapes put collectives and
+forwards where the usual loop has none: ZeroRedundancyOptimizer broadcasts
+inside ``optimizer.step()``, a siamese loss runs two forwards before one
+backward (``static_graph``), ``find_unused_parameters`` with a head used every
+other step, a GAN's two DDP models and optimizers, rank 0 saving a checkpoint
+behind a barrier, and BatchNorm with ``broadcast_buffers=False``, whose
+running statistics differ across ranks by design (info, not a desync).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_frameworks import assert_phases_add_up
+from tests.support.recorded import brief, serious, steps_of
+from tests.support.recorded import report_json as report
+from tests.support.torchrun import ROOT, job_env, torchrun
+
+pytestmark = pytest.mark.torchrun
+
+JOB = str(ROOT / "tests" / "jobs" / "shapes_job.py")
+EPOCHS = 2
+#: 2,048 samples, 32 a batch, 2 ranks.
+STEPS = EPOCHS * 2048 // 32 // 2
+
+
+def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
+    rec = tmp_path / "rec"
+    env = job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
+    torchrun([JOB, "--shape", shape, "--epochs", str(EPOCHS)], env=env, timeout=240)
+    return rec
+
+
+@pytest.mark.parametrize("shape", ["zero", "twice", "unused", "gan", "save", "bufs"])
+def test_a_healthy_job_of_this_shape_raises_nothing(
+    tmp_path: Path, endpoint: str, shape: str
+) -> None:
+    rec = run_shape(tmp_path, endpoint, shape)
+    doc = report(rec)
+    assert serious(doc) == [], brief(doc["findings"])
+    steps = steps_of(rec)
+    # A GAN's discriminator all-reduces in both backwards of an iteration (its own
+    # loss's, and the generator's, which flows through it) and is stepped after one:
+    # two steps of it per iteration, one with no optimizer step, beside the generator's.
+    per_rank = 3 * STEPS if shape == "gan" else STEPS
+    assert {r: len(ss) for r, ss in steps.items()} == {0: per_rank, 1: per_rank}
+    assert_phases_add_up(steps)
+    if shape == "bufs":
+        # BatchNorm's statistics from each rank's own batches: said, as info.
+        (f,) = [f for f in doc["findings"] if f["kind"] == "desync"]
+        assert f["severity"] == "info" and f["evidence"]["norm_stats_only"] is True
+        assert {n.rsplit(".", 1)[-1] for n in f["evidence"]["names"]} <= {
+            "running_mean",
+            "running_var",
+        }
+    else:
+        assert [f for f in doc["findings"] if f["kind"] == "desync"] == []

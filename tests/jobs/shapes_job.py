@@ -1,0 +1,146 @@
+"""Healthy DDP jobs (gloo, CPU) in shapes the demo does not have, for the no-false-alarm
+checks: each is a correct script, so ddpscope must raise nothing about it.
+
+``--shape``:
+
+- ``bufs``: a CNN with BatchNorm and ``broadcast_buffers=False`` (each rank keeps
+  its own running statistics: no buffer broadcast in forward);
+- ``zero``: ZeroRedundancyOptimizer (each rank steps its shard of the
+  parameters, then broadcasts them: collectives inside optimizer.step());
+- ``twice``: two forwards of the DDP model before one backward (a siamese or
+  contrastive loss), with ``static_graph=True`` as DDP requires for it;
+- ``unused``: ``find_unused_parameters=True`` on a model whose second head is
+  used only every other step;
+- ``gan``: two DDP models, a generator and a discriminator, each with its own
+  optimizer, stepped one after the other;
+- ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
+  tutorials show.
+
+Each rank attaches ddpscope (recording to ``DDPSCOPE_RECORD``) and prints
+"done: RANK" when its loop is over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import ddpscope
+
+SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save")
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+        self.a = nn.Linear(128, 4)
+        self.b = nn.Linear(128, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.body(x)
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def mlp(width: int = 128) -> nn.Module:
+    return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                         nn.Linear(width, 4))  # fmt: skip
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", choices=SHAPES, required=True)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--samples", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=32)
+    args = p.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    images = args.shape == "bufs"
+    x = torch.randn(args.samples, 3, 16, 16) if images else torch.randn(args.samples, 32)
+    data = TensorDataset(x, torch.randint(0, 4, (args.samples,)))
+    sampler = DistributedSampler(data, seed=1)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    loss_fn = nn.CrossEntropyLoss()
+    steps = 0
+    if args.shape == "gan":
+        gen, disc = DDP(mlp()), DDP(nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1)))
+        ddpscope.attach(gen)
+        ddpscope.attach(disc)
+        opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+        opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            for xb, _ in loader:
+                fake = gen(xb)
+                d_loss = disc(fake.detach()).mean() - disc(torch.randn_like(fake)).mean()
+                opt_d.zero_grad()
+                d_loss.backward()
+                opt_d.step()
+                g_loss = -disc(fake).mean()
+                opt_g.zero_grad()
+                g_loss.backward()
+                opt_g.step()
+                steps += 1
+        print(f"done: {rank} ({steps} steps, world {world})", flush=True)
+        dist.destroy_process_group()
+        return
+    if args.shape == "bufs":
+        model: nn.Module = DDP(cnn(), broadcast_buffers=False)
+    elif args.shape == "twice":
+        model = DDP(mlp(), static_graph=True)
+    elif args.shape == "unused":
+        model = DDP(TwoHeads(), find_unused_parameters=True)
+    else:
+        model = DDP(mlp(256))
+    ddpscope.attach(model)
+    if args.shape == "zero":
+        opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05
+        )
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ckpt = os.path.join(tempfile.gettempdir(), f"shapes-{os.getpid()}.pt")
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            opt.zero_grad()
+            if args.shape == "twice":
+                a, b = model(xb), model(xb + 0.01 * torch.randn_like(xb))
+                loss = loss_fn(a, yb) + (a - b).pow(2).mean()
+            elif args.shape == "unused":
+                loss = loss_fn(model(xb, steps % 2 == 1), yb)
+            else:
+                loss = loss_fn(model(xb), yb)
+            loss.backward()
+            opt.step()
+            steps += 1
+            if args.shape == "save" and steps % 20 == 0:
+                if rank == 0:
+                    torch.save(model.module.state_dict(), ckpt)
+                dist.barrier()
+    if os.path.exists(ckpt):
+        os.remove(ckpt)
+    print(f"done: {rank} ({steps} steps, world {world})", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
