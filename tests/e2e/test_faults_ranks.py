@@ -1,4 +1,4 @@
-"""A rank stopped for 30 s and resumed, a rank killed from outside: the other
+"""A rank stopped for 15 s and resumed, a rank killed from outside: the other
 rank's recording is whole, and the report names what happened to whom."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from tests.support.torchrun import ROOT, job_env, teardown_abort_only
 
 pytestmark = pytest.mark.torchrun
 
-#: How long the stopped rank stays stopped (the issue's case: a long stall).
-STOPPED_S = 30.0
+#: How long the stopped rank stays stopped: a long stall, three times the 5 s after
+#: which a silent rank is reported (analysis/position.py).
+STOPPED_S = 15.0
 
 
 @pytest.fixture
@@ -81,7 +82,7 @@ def _report(record: Path) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_a_rank_stopped_for_30_s_then_resumed_is_a_stall_that_resumed_not_an_exit(job) -> None:
+def test_a_rank_stopped_for_15_s_then_resumed_is_a_stall_that_resumed_not_an_exit(job) -> None:
     proc, record = job
     run_dir = _run_dir(record)
     until(lambda: ranks_training(run_dir, 5), 120, "both ranks training")
