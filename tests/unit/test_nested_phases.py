@@ -106,6 +106,14 @@ def test_a_forward_that_raised_does_not_hold_the_next_ones_as_nested(
     assert all(s.data_ns > 0 for s in steps[2:]), steps
 
 
+def _attached(tmp: Path) -> tuple[DDP, ddpscope.Handle, torch.Tensor, torch.Tensor]:
+    """A DDP model attached and recording to ``tmp``, and a batch for it."""
+    torch.manual_seed(0)
+    model = DDP(SlowForward())
+    handle = ddpscope.attach(model, record=str(tmp / "rec"))
+    return model, handle, torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+
+
 class Sharded(torch.optim.Optimizer):
     """Steps an inner optimizer, then broadcasts every parameter, as ZeroRedundancyOptimizer
     does (its inner optimizer holds this rank's shard; here, all of them)."""
@@ -126,11 +134,8 @@ class Sharded(torch.optim.Optimizer):
 def test_an_optimizer_that_steps_an_inner_one_ends_the_step_when_it_returns(
     fresh_rank: Path,
 ) -> None:
-    torch.manual_seed(0)
-    model = DDP(SlowForward())
-    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
+    model, handle, x, y = _attached(fresh_rank)
     opt = Sharded(list(model.parameters()), after_s=FORWARD_SLEEP_S)
-    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
     for _ in range(4):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -149,11 +154,8 @@ def test_an_optimizer_that_steps_an_inner_one_ends_the_step_when_it_returns(
 def test_an_optimizer_step_that_raised_does_not_keep_the_next_steps_open(
     fresh_rank: Path,
 ) -> None:
-    torch.manual_seed(0)
-    model = DDP(SlowForward())
-    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
+    model, handle, x, y = _attached(fresh_rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
     for i in range(4):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
