@@ -17,14 +17,13 @@ from __future__ import annotations
 import pickle
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import IO, Any
+from typing import IO
 
+from ddpscope.export.table import Figures
 from ddpscope.record.stream import REORDER, sorted_within
 
 #: Figures kept in memory per (rank, model) before they go to the file.
 CHUNK = 4096
-
-Figures = tuple[Any, ...]
 
 
 class RowSpool:

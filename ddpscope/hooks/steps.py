@@ -482,7 +482,8 @@ class StepTracker:
         if self._opt_start is not None and id(opt) != self._opt_outer:
             self._opt_depth += 1  # an inner optimizer, stepped by the outer one
             return
-        # (The outer one again: its last step raised before its post-hook ran.)
+        # The outer one opens the phase; the same one again means its last step
+        # raised before its post-hook ran, and this step replaces it.
         self._opt_depth = 1
         self._opt_outer = id(opt)
         if self._opt_start is None:

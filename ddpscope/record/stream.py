@@ -52,8 +52,7 @@ def sorted_within(entries: Iterator[Any], width: int) -> Iterator[Any]:
     last = None
     for entry in entries:
         if last is not None and entry[0] < last:
-            if width < REORDER:
-                width = min(REORDER, 2 * width)
+            width = min(REORDER, 2 * width)
             yield entry
             continue
         push(window, entry)

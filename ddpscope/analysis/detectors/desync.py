@@ -141,7 +141,7 @@ def compare(digests: dict[int, list[int]]) -> _Diff | None:
     return _Diff(indices, minority, ambiguous, sorted(minority))
 
 
-def _names(run: RunState, attr: str, model: int = 0) -> list[str]:
+def _names(run: RunState, attr: str, model: int) -> list[str]:
     for view in run.ranks.values():
         info = view.infos.get(model)
         if info is not None:
@@ -154,7 +154,7 @@ def _key(what: str, model: int) -> str:
     return what if model == 0 else f"{what}:{model}"
 
 
-def _broadcast_buffers(run: RunState, model: int = 0) -> bool:
+def _broadcast_buffers(run: RunState, model: int) -> bool:
     """DDP's broadcast_buffers, True (DDP's default) unless every rank says False."""
     infos = [v.infos[model] for v in run.ranks.values() if model in v.infos]
     if not infos:
@@ -345,7 +345,8 @@ class DesyncDetector:
 
 
 def _ordinal(n: int) -> str:
-    return f"{n}{ {1: 'st', 2: 'nd', 3: 'rd'}.get(n if n < 20 else n % 10, 'th') }"
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def _is_norm_stat(name: str) -> bool:
