@@ -17,10 +17,13 @@ from __future__ import annotations
 import pickle
 import tempfile
 from collections.abc import Iterable, Iterator
-from typing import IO
+from typing import IO, Any
 
-from ddpscope.export.table import Figures
 from ddpscope.record.stream import REORDER, sorted_within
+
+#: A row's figures, the model first (export/table.py makes them; this module
+#: sits below it and only needs the model and the step start, at [0] and [1]).
+Figures = tuple[Any, ...]
 
 #: Figures kept in memory per (rank, model) before they go to the file.
 CHUNK = 4096

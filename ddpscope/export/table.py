@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TextIO
+from typing import TextIO
 
 from ddpscope.export import Readable, Timeline, fixed
+from ddpscope.export.rowspool import Figures, in_row_order
 from ddpscope.schema import Message, Step
 
 COLUMNS: tuple[str, ...] = (
@@ -41,10 +42,6 @@ COLUMNS: tuple[str, ...] = (
     "collectives",
     "join",
 )
-
-
-#: What a row takes from a step, unformatted (see :func:`figures`).
-Figures = tuple[Any, ...]
 
 
 def figures(s: Step) -> Figures:
@@ -78,8 +75,6 @@ def figures(s: Step) -> Figures:
 def rank_figures(msgs: Iterable[Message]) -> Iterator[Figures]:
     """A rank's steps as figures, in row order (a stable sort of file order), in
     bounded memory (export/rowspool.py)."""
-    from ddpscope.export.rowspool import in_row_order
-
     return in_row_order(figures(m) for m in msgs if isinstance(m, Step))
 
 
