@@ -6,7 +6,7 @@ one not, trained in alternating blocks of steps on the same batches (as
 overhead_interleaved.py does for eager models: job-to-job noise on a shared
 2-core machine is far larger than the effect). The ratio of each adjacent pair
 of blocks is one sample; the median and quartiles of those are the figures.
-That attaching adds no graph break is checked by tests/e2e/test_frameworks.py (two
+That attaching adds no graph break is checked by tests/e2e/test_frameworks_compiled.py (two
 jobs, one watched, compared on dynamo's counters): here the second model reuses
 code the first compiled, so its counters say nothing.
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_frameworks import assert_phases_add_up
+from tests.support.frameworks import assert_phases_add_up
 from tests.support.recorded import brief, serious, steps_of
 from tests.support.recorded import report_json as report
 from tests.support.torchrun import ROOT, job_env, torchrun

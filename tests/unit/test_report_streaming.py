@@ -165,7 +165,7 @@ def traced_peak(directory: Path) -> int:
         tracemalloc.stop()
 
 
-def test_report_memory_stays_flat_as_the_recording_doubles(
+def test_report_memory_stays_flat_as_the_recording_quadruples(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The bounds at test scale: per-step figures go to disk past 256 KB, and the
@@ -173,11 +173,11 @@ def test_report_memory_stays_flat_as_the_recording_doubles(
     monkeypatch.setattr(streamstats, "SPILL_BYTES", 256 << 10)
     monkeypatch.setattr(streamstats, "WAIT_BUDGET", 16_000)
     peaks = {}
-    for steps in (1_000, 2_000, 4_000):
+    for steps in (1_000, 4_000):
         rec = long_run(tmp_path / str(steps), steps)
         size = sum(p.stat().st_size for p in rec.rglob("*.ddps"))
         peaks[steps] = (traced_peak(rec), size)
-    (small, small_size), _, (big, big_size) = (peaks[s] for s in sorted(peaks))
+    (small, small_size), (big, big_size) = (peaks[s] for s in sorted(peaks))
     assert big_size > 3.5 * small_size
     # Four times the recording, at most a fifth more memory: what grows is one rank's
     # step times, sorted at the end (4,000 steps: ~0.15 MB).

@@ -1,0 +1,130 @@
+"""Real PyTorch Lightning jobs (Trainer, manual optimization, Fabric), 2 ranks on
+CPU (gloo), recorded and reported as a user would: a BatchNorm MLP from
+tests/jobs/. The tier is marked ``frameworks``; ``make setup`` installs the
+pinned versions.
+
+A data-loading straggler is named although its peers wait in DDP's buffer
+broadcast, not the gradient all-reduce; the measurement behind it is checked
+apart (the slow rank's data time, the others' sync wait).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddpscope.record import open_run
+from ddpscope.schema import SamplerPass, Step
+from tests.support.frameworks import (
+    JOBS,
+    LIGHTNING,
+    SLACK_NS,
+    SLOW_MS,
+    accounted,
+    assert_launched_quietly,
+    assert_phases_add_up,
+    ddpscope_run,
+    median_ms,
+    record,
+)
+from tests.support.recorded import brief, median, serious, steps_of
+from tests.support.recorded import report_json as report
+
+pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
+
+
+# --- Lightning -------------------------------------------------------------------
+
+
+def test_lightning_healthy_job_raises_nothing_and_its_phases_add_up(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = record(tmp_path, endpoint, LIGHTNING)
+    assert serious(report(rec)) == [], brief(serious(report(rec)))
+    steps = steps_of(rec)
+    assert sorted(steps) == [0, 1] and all(len(ss) == 24 for ss in steps.values())
+    assert_phases_add_up(steps)
+    for ss in steps.values():
+        # optimizer.step(closure) ran forward and backward: the optimizer phase is
+        # only the update, far below the step (it read as most of it before).
+        step = median([(s.t_end - s.t_start) / 1e6 for s in ss[2:]])
+        assert median_ms(ss, "optimizer_ns") < 0.3 * step
+
+
+def test_lightning_sampler_replacement_and_set_epoch_are_seen_as_lightnings(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = record(tmp_path, endpoint, LIGHTNING, "--callback", "--accumulate", "2", zero_code=False)
+    assert serious(report(rec)) == [], brief(serious(report(rec)))
+    msgs = open_run(str(rec)).messages
+    for rank, ms in msgs.items():
+        passes = [m for m in ms if isinstance(m, SamplerPass) and m.training]
+        # The script passed shuffle=True; Lightning swapped in a DistributedSampler
+        # and called set_epoch itself every epoch.
+        assert [p.sampler_type.rsplit(".", 1)[-1] for p in passes] == ["DistributedSampler"] * 3
+        assert [p.epoch for p in passes] == [0, 1, 2]
+        assert all(p.num_replicas == 2 and p.sampler_rank == rank for p in passes)
+        steps = [m for m in ms if isinstance(m, Step)]
+        # accumulate_grad_batches=2: 8 batches per epoch make 4 steps of 2 micro-batches.
+        assert len(steps) == 12 and all(s.micro_batches == 2 for s in steps)
+    assert_phases_add_up(steps_of(rec))
+
+
+def test_lightning_launching_its_own_ranks_is_watched_without_torchrun(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = tmp_path / "rec"
+    cmd = [*ddpscope_run(rec), sys.executable, LIGHTNING, "--launcher", "lightning"]
+    assert_launched_quietly(cmd, endpoint, rec, steps_per_rank=24)
+
+
+@pytest.mark.parametrize("set_epoch", [False, True], ids=["forgotten", "called"])
+def test_a_missing_set_epoch_in_a_loop_inside_manual_optimization_is_named(
+    tmp_path: Path, endpoint: str, set_epoch: bool
+) -> None:
+    flags = ["--mode", "manual", *(["--inner-set-epoch"] if set_epoch else [])]
+    rec = record(tmp_path, endpoint, LIGHTNING, *flags)
+    found = serious(report(rec))
+    if set_epoch:
+        assert found == [], brief(found)
+    else:
+        assert [(f["kind"], f["ranks"]) for f in found] == [("missing_set_epoch", [0, 1])], brief(
+            found
+        )
+        assert "set_epoch" in found[0]["fix"]
+    # Backward and optimizer ran inside the DDP forward (training_step): booked once.
+    steps = steps_of(rec)
+    for ss in steps.values():
+        for s in ss:
+            assert accounted(s) <= s.t_end - s.t_start + SLACK_NS, s
+
+
+def test_lightning_data_straggler_is_measured_on_both_sides(tmp_path: Path, endpoint: str) -> None:
+    rec = record(tmp_path, endpoint, LIGHTNING, "--slow-ms", SLOW_MS)
+    steps = steps_of(rec)
+    slow, fast = steps[1], steps[0]
+    assert median_ms(slow, "data_ns") > 30, "rank 1's stall is its data time"
+    assert median_ms(fast, "data_ns") < 10, "rank 0's wait is not booked as data"
+    # Rank 0 waits for rank 1 in DDP's buffer broadcast (BatchNorm) at the next forward.
+    assert median_ms(fast, "sync_wait_ns") > 30
+    assert_phases_add_up(steps)
+
+
+def test_lightning_data_straggler_is_named_with_its_rank(tmp_path: Path, endpoint: str) -> None:
+    # 40 steps: a window of steps this short (~45 ms) must span a second of run time.
+    rec = record(tmp_path, endpoint, LIGHTNING, "--slow-ms", SLOW_MS, "--epochs", "5")
+    found = [f for f in serious(report(rec)) if f["kind"] == "straggler"]
+    assert [f["ranks"] for f in found] == [[1]], brief(found)
+
+
+@pytest.mark.parametrize("attach", [False, True], ids=["zero-code", "attach"])
+def test_lightning_fabric_ddp_is_watched(tmp_path: Path, endpoint: str, attach: bool) -> None:
+    flags = ["--attach"] if attach else []
+    rec = record(tmp_path, endpoint, str(JOBS / "fabric_job.py"), *flags, zero_code=not attach)
+    steps = steps_of(rec)
+    # 512 samples, 32 per rank and step, 2 ranks, 2 epochs.
+    assert sorted(steps) == [0, 1] and all(len(ss) == 16 for ss in steps.values())
+    assert_phases_add_up(steps)
+    assert serious(report(rec)) == [], brief(serious(report(rec)))
