@@ -34,21 +34,25 @@ demo: $(STAMP)
 	$(PY) -m ddpscope report $(RUNS)
 
 # The slowest tests are listed at the end: the suite must stay well under 20 minutes.
+# One worker per core, a test file to a worker at a time (a file's module-scoped
+# jobs then run once); PYTEST_WORKERS=0 runs it in this process alone.
+PYTEST_WORKERS ?= auto
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 # The in-process tests alone, or the real jobs, processes, sockets and
 # terminals alone.
 test-unit: $(STAMP)
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q $(XDIST) tests/unit
 
 test-e2e: $(STAMP)
-	$(PY) -m pytest -q tests/e2e
+	$(PY) -m pytest -q $(XDIST) tests/e2e
 
 # The tier of real Lightning, transformers/accelerate and torch.compile jobs
 # alone (`make test` runs it too).
 test-frameworks: $(STAMP)
-	$(PY) -m pytest -q -m frameworks
+	$(PY) -m pytest -q $(XDIST) -m frameworks
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ddpscope tests demos benchmarks
