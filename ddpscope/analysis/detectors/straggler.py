@@ -422,13 +422,9 @@ class StragglerDetector:
         context = evidence(run, r, [s.step for s in win.samples])
         ev["phases_ms"], ev["grown_phases"] = context["phases_ms"], context["grown_phases"]
         ev.update(host(run, r))
-        row = run.by_step.get(step, {})
-        flag.epoch = row[r].epoch if r in row else flag.epoch
         flag.host = starved.host
-        flag.evidence = ev
-        flag.message = contention.message(r, starved)
-        flag.fix = contention.fix(r, starved)
-        self._raise(r, flag, step, book, active=True)
+        message, fix = contention.message(r, starved), contention.fix(r, starved)
+        self._publish(run, r, step, flag, book, ev, message, fix)
 
     # --- the finding ----------------------------------------------------------------
 
@@ -469,8 +465,6 @@ class StragglerDetector:
         where = " and ".join(
             f"{_LABEL[p]} (+{ev['phases_ms'][p]['delta']:.1f} ms)" for p in grown[:2]
         )
-        row = run.by_step.get(step, {})
-        flag.epoch = row[r].epoch if r in row else flag.epoch
         message = (
             f"rank {r} is a straggler: its own work takes {_ms(v.own):.1f} ms/step vs "
             f"{_ms(v.ref):.1f} ms on the other ranks ({_times(v.ratio)}), the extra time "
@@ -480,6 +474,22 @@ class StragglerDetector:
             f"~{ev['what_if_step_ms']:.1f} ms if rank {r} kept pace with the others."
         )
         fix = _FIX[grown[0] if grown else "forward"].format(r=r) + host_hint(ev)
+        self._publish(run, r, step, flag, book, ev, message, fix)
+
+    def _publish(
+        self,
+        run: RunState,
+        r: int,
+        step: int,
+        flag: _Flag,
+        book: FindingBook,
+        ev: dict[str, Any],
+        message: str,
+        fix: str,
+    ) -> None:
+        """Either finding (straggler or CPU contention) as of ``step``, raised or updated."""
+        row = run.by_step.get(step, {})
+        flag.epoch = row[r].epoch if r in row else flag.epoch
         flag.evidence, flag.message, flag.fix = ev, message, fix
         self._raise(r, flag, step, book, active=True)
 
