@@ -8,4 +8,7 @@
 - tests/jobs: framework job scripts the e2e tests launch.
 
 ``make test`` runs everything; ``make test-unit`` and ``make test-e2e`` one half.
+They run a pytest-xdist worker per core, a file to a worker at a time: no test
+may lean on another file's tests having run first (or not), and what a module
+shares between its tests (a module-scoped job, a corpus) no test may change.
 """
