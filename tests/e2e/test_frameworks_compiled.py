@@ -21,10 +21,19 @@ from tests.support.torchrun import job_env, torchrun
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
 
-# --- torch.compile ---------------------------------------------------------------
-
 _BREAKS = re.compile(r"^graph_breaks (\d+)$", re.M)
 _FRAMES = re.compile(r"^frames_ok (\d+)$", re.M)
+
+
+#: The default backend (inductor) for the way the docs show; the others where graph
+#: breaks and hooks are decided (dynamo, AOTAutograd, DDPOptimizer's split) without
+#: inductor's C++ build, which took 18-52 s a variant on this 2-core machine.
+BACKEND = {
+    "compile-ddp": "inductor",
+    "ddp-compile": "aot_eager",
+    "inplace": "aot_eager",
+    "inplace-first": "aot_eager",
+}
 
 
 def _compiled(tmp: Path, endpoint: str, wrap: str, watched: bool) -> tuple[int, int, Path]:
@@ -49,17 +58,6 @@ def _compiled(tmp: Path, endpoint: str, wrap: str, watched: bool) -> tuple[int, 
     breaks, frames = _BREAKS.search(proc.stdout), _FRAMES.search(proc.stdout)
     assert breaks and frames, proc.stdout[-2000:]
     return int(breaks.group(1)), int(frames.group(1)), rec
-
-
-#: The default backend (inductor) for the way the docs show; the others where graph
-#: breaks and hooks are decided (dynamo, AOTAutograd, DDPOptimizer's split) without
-#: inductor's C++ build, which took 18-52 s a variant on this 2-core machine.
-BACKEND = {
-    "compile-ddp": "inductor",
-    "ddp-compile": "aot_eager",
-    "inplace": "aot_eager",
-    "inplace-first": "aot_eager",
-}
 
 
 @pytest.mark.parametrize("wrap", list(BACKEND))

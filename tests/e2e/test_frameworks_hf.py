@@ -33,9 +33,6 @@ from tests.support.recorded import report_json as report
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
 
-# --- Hugging Face ----------------------------------------------------------------
-
-
 def test_hf_trainer_healthy_job_raises_nothing_despite_batch_level_sharding(
     tmp_path: Path, endpoint: str
 ) -> None:

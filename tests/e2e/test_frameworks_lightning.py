@@ -35,9 +35,6 @@ from tests.support.recorded import report_json as report
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
 
-# --- Lightning -------------------------------------------------------------------
-
-
 def test_lightning_healthy_job_raises_nothing_and_its_phases_add_up(
     tmp_path: Path, endpoint: str
 ) -> None:

@@ -19,8 +19,6 @@ from tests.support.torchrun import ROOT, job_env
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
 
-# --- docs/integrations.md ------------------------------------------------------------
-
 DOC = ROOT / "docs" / "integrations.md"
 _EXAMPLE = re.compile(r"<!-- example: (\S+) -->\n```python\n(.*?)```", re.S)
 

@@ -16,9 +16,6 @@ from tests.support.recorded import report_json as report
 pytestmark = pytest.mark.torchrun
 
 
-# --- dataset splits ----------------------------------------------------------------
-
-
 @pytest.mark.parametrize("fixed", [False, True], ids=["unseeded", "seeded"])
 def test_random_split_without_a_generator_is_named_as_the_overlap_cause(
     tmp_path: Path, endpoint: str, fixed: bool
