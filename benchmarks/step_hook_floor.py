@@ -1,16 +1,23 @@
 """What the hooks a step tracker needs cost when they do nothing, per step.
 
-ddpscope cuts a step into phases from a module's forward pre/post hooks, a
-hook on the forward output's gradient (backward's start, set the way
-ddpscope sets it: ``steps._hook_gradient``), two
-autograd final callbacks (compute end, then after DDP's finalisation), and
-the global optimizer step hooks. This measures those mechanisms with empty
-bodies on identical world-size-1 DDP models (40 tiny layers, one bucket),
-in rotating blocks of one process, as training-thread CPU per step over a
-model with none. It is the floor under ddpscope's per-step figure in
-``hook_cost.py``: whatever ddpscope does on top is its own Python.
+The ways to cut a step into phases, with empty bodies, on identical
+world-size-1 DDP models (``--layers`` tiny layers, one bucket) in rotating
+blocks of one process, as training-thread CPU per step over a model with none:
 
-    python -m benchmarks.step_hook_floor [--rounds 60] [--steps 20]
+- forward: module pre/post hooks (what ddpscope used before), or a callable in
+  the instance's ``forward`` attribute (``hooks/forward.py``, what it uses now);
+- backward's start: a hook on the forward output's gradient, set the way
+  ``steps._hook_gradient`` sets it (still used with ``find_unused_parameters``),
+  or a post-accumulate-grad hook on one parameter (the marker, now);
+- the end of autograd's work and of DDP's finalisation: two final callbacks
+  (before), or one callback and a ``torch.autograd.backward`` wrapper's return
+  (now; the wrapper is left out here: one Python frame per backward).
+
+Global optimizer step hooks run for every optimizer, so every side pays them.
+This is the floor under ddpscope's per-step figure in ``hook_cost.py``:
+whatever ddpscope does on top is its own Python.
+
+    python -m benchmarks.step_hook_floor [--rounds 60] [--steps 20] [--layers 40]
 """
 
 from __future__ import annotations
@@ -52,6 +59,14 @@ def _backward_begin(*_args: Any) -> None:
     _queue(_after_compute)
 
 
+def _compute_end() -> None:
+    return None
+
+
+def _marker(_param: Any) -> None:
+    _queue(_compute_end)
+
+
 def _mark_node(_m: Any, _a: Any, out: torch.Tensor) -> None:
     _hook_gradient(out, _nothing)  # ddpscope's own way of hooking the output
 
@@ -60,32 +75,59 @@ def _mark_node_and_queue(_m: Any, _a: Any, out: torch.Tensor) -> None:
     _hook_gradient(out, _backward_begin)
 
 
-def _make() -> DDP:
-    torch.manual_seed(0)
-    return DDP(nn.Sequential(*[nn.Linear(16, 16) for _ in range(40)]), bucket_cap_mb=25)
+class _Probe:
+    """An empty forward probe: what hooks/forward.py puts in ``forward``."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        _nothing(args)
+        out = self.inner(*args, **kwargs)
+        _nothing(out)
+        return out
 
 
-#: Forward post-hook of each side (None: no module hooks at all); every
-#: side but "plain" also has an empty forward pre-hook.
-SIDES: dict[str, Callable[..., None] | None] = {
+def _module_hooks(model: DDP, post: Any) -> None:
+    model.register_forward_pre_hook(_nothing)
+    model.register_forward_hook(post)
+
+
+def _probe(model: DDP, marker: bool) -> None:
+    object.__setattr__(model, "forward", _Probe(model.forward))
+    if marker:
+        list(model.parameters())[-1].register_post_accumulate_grad_hook(_marker)
+
+
+#: How each side is set up (None: no hooks at all).
+SIDES: dict[str, Callable[[DDP], None] | None] = {
     "plain": None,
-    "module hooks": _nothing,
-    "+ output gradient hook": _mark_node,
-    "+ two final callbacks": _mark_node_and_queue,
+    "module hooks": lambda m: _module_hooks(m, _nothing),
+    "+ output gradient hook": lambda m: _module_hooks(m, _mark_node),
+    "+ two final callbacks (before)": lambda m: _module_hooks(m, _mark_node_and_queue),
+    "forward probe": lambda m: _probe(m, marker=False),
+    "+ marker parameter hook and one callback (now)": lambda m: _probe(m, marker=True),
 }
+
+
+def _make(layers: int) -> DDP:
+    torch.manual_seed(0)
+    return DDP(nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)]), bucket_cap_mb=25)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rounds", type=int, default=60)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--layers", type=int, default=40)
     args = p.parse_args()
     with world_of_one():
-        models = {name: _make() for name in SIDES}
-        for name, post in SIDES.items():
-            if post is not None:
-                models[name].register_forward_pre_hook(_nothing)
-                models[name].register_forward_hook(post)
+        models = {name: _make(args.layers) for name in SIDES}
+        for name, setup in SIDES.items():
+            if setup is not None:
+                setup(models[name])
         opts = {name: torch.optim.SGD(m.parameters(), lr=1e-4) for name, m in models.items()}
         # Global optimizer hooks run for every optimizer: all sides pay them,
         # measured apart as the difference of two runs would be noise here.

@@ -30,14 +30,15 @@ from torch.optim.optimizer import (
 
 from ddpscope import config
 from ddpscope.config import ConfigError, Options
-from ddpscope.hooks import bucket_cost, collectives, comm, compiled, recipe, runinfo
+from ddpscope.hooks import backward as backward_calls
+from ddpscope.hooks import bucket_cost, collectives, comm, compiled, forward, recipe, runinfo
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.modelcheck import check_model, compiled_ddp, fabric_ddp
 
 # _inert stays importable from here: models pickled before the move name it so.
-from ddpscope.hooks.modulehook import _inert, _ModuleHook  # noqa: F401
+from ddpscope.hooks.modulehook import _inert  # noqa: F401
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.samplers import SamplerProbe
 from ddpscope.hooks.steps import StepTracker
@@ -53,6 +54,9 @@ _LOCK = threading.Lock()
 #: scheduler that moves the learning rate each step would otherwise cost a
 #: key, a message and a record entry per step.
 HPARAMS_EVERY = 8
+# The step-end gate (Handle._on_step_end) skips the steps in between.
+assert recipe.SNAPSHOT_EVERY % HPARAMS_EVERY == 0
+assert HPARAMS_EVERY & (HPARAMS_EVERY - 1) == 0 and HPARAMS_EVERY >= bucket_cost.DECIDE_AT_STEP
 _HANDLES: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
 _PROCESS: _Process | None = None
 
@@ -108,11 +112,7 @@ class _Process:
         self.recipe.install()
         #: Made with the first model: user collectives are booked in its steps.
         self.timer: collectives.CollectiveTimer | None = None
-        self._opt_hooks = [
-            register_optimizer_step_pre_hook(self._optimizer_pre),
-            register_optimizer_step_post_hook(self._optimizer_post),
-        ]
-        compiled.install(self._on_compiled)
+        compiled.install(self._on_compiled, before=self._before_compile)
         self.publisher.add_periodic(self._periodic)
         self.publisher.on_request("fingerprint", self._request_fingerprint)
         self._excepthook = sys.excepthook
@@ -133,6 +133,11 @@ class _Process:
             out.extend(h.periodic())
         return out
 
+    def _before_compile(self, module: Any) -> None:
+        for h in self.handles:
+            if h.model is module:
+                h.guard(h.leave_for_compile)
+
     def _on_compiled(self, original: Any, compiled_fn: Any) -> Any:
         in_place = getattr(original, "__func__", None) is torch.nn.Module._call_impl
         owner = getattr(original, "__self__", None) if in_place else None
@@ -146,14 +151,6 @@ class _Process:
     def _request_fingerprint(self) -> None:
         for h in self.handles:
             h.fingerprinter.request()
-
-    def _optimizer_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        for h in self.handles:
-            h.guard(h.tracker.optimizer_pre, opt)
-
-    def _optimizer_post(self, opt: Any, args: Any, kwargs: Any) -> None:
-        for h in self.handles:
-            h.guard(h.tracker.optimizer_post, opt)
 
     def _install_sigterm(self) -> None:
         # torchrun SIGTERMs the surviving ranks when one fails, and passes on a
@@ -201,8 +198,6 @@ class _Process:
                 self.sampler_probe.uninstall()
             except Exception:
                 pass
-            for hook in self._opt_hooks:
-                hook.remove()
             compiled.uninstall()
             if self.timer is not None:
                 collectives.uninstall(self.timer)
@@ -251,7 +246,7 @@ class Handle:
             proc.publisher,
             {id(p): i for i, (_, p) in enumerate(named)},
             on_step_end=self._on_step_end,
-            sampler_state=lambda: (proc.sampler_probe.last_epoch, proc.sampler_probe.last_pass),
+            sampler=proc.sampler_probe,
         )
         if opts.bucket_every:
             self.tracker.fixed_every = opts.bucket_every
@@ -262,11 +257,18 @@ class Handle:
         self._info.update(extra or {})
         watch = proc.recipe.add_model(model, index)
         self._watch = watch
-        self._compiled_wrapper = False
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
         self._hparams_step = 0
-        self._hooks = self._register_forward_hooks(model)
+        self._forward = forward.ForwardTiming(model, self.tracker, watch)
+        self.tracker.on_error = self.failed
+        self.tracker.use_marker()
+        backward_calls.install(self.tracker)
+        # Global: every optimizer step of the process; the tracker keeps to its own.
+        self._opt_hooks = [
+            register_optimizer_step_pre_hook(self.tracker.optimizer_pre),
+            register_optimizer_step_post_hook(self.tracker.optimizer_post),
+        ]
         proc.recipe.guard(self._time_collectives, proc, model)
         comm.link(model, self.tracker)
         self.tracker.request_hook = self._hook_buckets
@@ -329,78 +331,39 @@ class Handle:
             collectives.install(proc.timer)
         proc.timer.wrap_buffer_sync(model, self.tracker)
 
-    def follow_compiled(self, wrapper: Any) -> None:
-        """``torch.compile(ddp_model)`` made ``wrapper``: time the forward from its hooks.
+    def leave_for_compile(self) -> None:
+        """``torch.compile(ddp_model)`` is about to look at the model (ForwardTiming)."""
+        self._forward.leave_for_compile()
 
-        The hooks move from the DDP module to the wrapper, whose hooks run in
-        the interpreter around the compiled call. Left on the DDP module they
-        would be traced as no-ops, and any forward hook sends nn.Module down
-        its slower hooked call path, which dynamo breaks one more time.
-        """
-        if self._compiled_wrapper or not self.tracker.enabled:
-            return
-        self._compiled_wrapper = True
-        for h in self._hooks:
-            h.remove()
-        self._hooks = self._register_forward_hooks(wrapper)
-        self._info["compiled"] = "torch.compile(ddp_model)"
-        self.publisher.post(RunInfo.KIND, self.index, self._run_info())
+    def follow_compiled(self, wrapper: Any) -> None:
+        """``torch.compile(ddp_model)`` made ``wrapper``: the forward is timed there."""
+        if self.tracker.enabled and self._forward.follow_compiled(wrapper):
+            self._info["compiled"] = "torch.compile(ddp_model)"
+            self.publisher.post(RunInfo.KIND, self.index, self._run_info())
 
     def wrap_compiled_call(
         self, compiled_fn: Callable[..., Any], announce: bool = True
     ) -> Callable[..., Any]:
-        """``ddp_model.compile()``: run the hooks around the compiled call, not in it."""
-        if self._compiled_wrapper or not self.tracker.enabled:
+        """``ddp_model.compile()``: run the timing around the compiled call, not in it."""
+        call = self._forward.wrap_compiled_call(compiled_fn) if self.tracker.enabled else None
+        if call is None:
             return compiled_fn
-        self._compiled_wrapper = True
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        model = self.model
-        pre = self._guarded(self._forward_pre)
-        post = self._guarded(self.tracker.forward_post)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if self.tracker.enabled:
-                pre(model, args, kwargs)
-            out = compiled_fn(*args, **kwargs)
-            if self.tracker.enabled:
-                post(model, args, out)
-            return out
-
-        compiled.run_eagerly(call)
         self._info["compiled"] = "ddp_model.compile()"
         if announce:
             self.publisher.post(RunInfo.KIND, self.index, self._run_info())
         return call
 
-    def _register_forward_hooks(self, module: Any) -> list[Any]:
-        # One pre-hook for the tracker and the recipe probe: each hook the
-        # module calls costs a dispatch from C++ into Python on every forward.
-        return [
-            module.register_forward_pre_hook(self._guarded(self._forward_pre), with_kwargs=True),
-            module.register_forward_hook(self._guarded(self.tracker.forward_post)),
-        ]
-
-    def _forward_pre(self, module: Any, args: Any, kwargs: Any) -> None:
-        try:
-            self.tracker.forward_pre(module, args)
-        except Exception as exc:
-            self.tracker.fail(exc)
-        # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
-        self._watch.forward_pre(module, args, kwargs)
-
-    def _guarded(self, fn: Callable[..., Any]) -> _ModuleHook:
-        return _ModuleHook(fn, self.tracker.fail)
-
     def guard(self, fn: Callable[..., Any], *args: Any) -> bool:
         try:
             fn(*args)
         except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}"
-            self.tracker.fail(exc)
+            self.failed(exc)
             return False
         return True
+
+    def failed(self, exc: BaseException) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        self.tracker.fail(exc)
 
     def _fingerprint(self, step: int, reason: str) -> None:
         if self.guard(self.fingerprinter.start, step, reason):
@@ -451,6 +414,18 @@ class Handle:
             )
 
     def _on_step_end(self, step: int) -> None:
+        # Every step: whether the weights are due a check. Its usual answer, from
+        # two comparisons, is spelled out here (fp.due() says why otherwise).
+        fp = self.fingerprinter
+        at = step + self.tracker.state.join_shadow  # the job's step: see job_step
+        if (at >= fp.quiet_until or fp.requested != fp.served) and fp.due(
+            at, self.tracker.median_step_ns()
+        ):
+            self._fingerprint(at, fp.pending_reason)
+        if step % HPARAMS_EVERY and step > bucket_cost.DECIDE_AT_STEP:
+            return
+        # The rest falls on multiples of HPARAMS_EVERY once past the first steps
+        # (recipe snapshots at powers of two, then multiples of SNAPSHOT_EVERY).
         if (
             step == bucket_cost.DECIDE_AT_STEP
             and self._bucket_mode == 0
@@ -463,10 +438,6 @@ class Handle:
             recipe_probe.guard(recipe_probe.on_step_end, step)
         if step % HPARAMS_EVERY == 0 or self._hparams_key is None:
             self._check_hparams(step)
-        fp = self.fingerprinter
-        at = self.job_step  # == step, plus any steps shadowed under Join
-        if fp.due(at, self.tracker.median_step_ns()):
-            self._fingerprint(at, fp.pending_reason)
 
     def _check_hparams(self, step: int) -> None:
         opts = list(self.tracker.optimizers.values())
@@ -488,13 +459,16 @@ class Handle:
         return fields
 
     def finish(self, clean: bool = True) -> None:
-        if not self.tracker.enabled:
-            return
-        self.guard(self.tracker.flush)
-        if clean and self.fingerprinter.every != -1:
-            self._fingerprint(self.job_step, "final")
-        for h in self._hooks:
-            h.remove()
+        if self.tracker.enabled:
+            self.guard(self.tracker.flush)
+            if clean and self.fingerprinter.every != -1:
+                self._fingerprint(self.job_step, "final")
+        # Also after an internal error disabled the tracker: nothing stays in torch.
+        self._forward.remove()
+        for hook in self._opt_hooks:
+            hook.remove()
+        self.tracker.drop_marker()
+        backward_calls.remove(self.tracker)
         self.tracker.enabled = False
 
 
@@ -574,7 +548,3 @@ def _reset_for_tests() -> None:
         _PROCESS.finish(reason="close")
     _PROCESS = None
     _HANDLES.clear()
-
-
-#: Whether torch.compile leaves ddpscope's module hooks to the interpreter.
-HOOKS_EAGER_UNDER_COMPILE = compiled.run_eagerly(_ModuleHook.__call__)

@@ -42,6 +42,7 @@ _lock = threading.Lock()
 _original: Callable[..., Any] | None = None
 _ours: Callable[..., Any] | None = None
 _on_compiled: Callable[[Any, Any], Any] | None = None
+_before: Callable[[Any], None] | None = None
 
 
 def run_eagerly(*fns: Any) -> bool:
@@ -70,21 +71,36 @@ def run_eagerly(*fns: Any) -> bool:
         return False
 
 
-def install(on_compiled: Callable[[Any, Any], Any]) -> None:
+def install(
+    on_compiled: Callable[[Any, Any], Any], before: Callable[[Any], None] | None = None
+) -> None:
     """Call ``on_compiled(original, compiled)`` whenever ``torch.compile`` wraps a module
-    or a module's bound method; what it returns, if not None, replaces ``compiled``."""
-    global _original, _ours, _on_compiled
+    or a module's bound method; what it returns, if not None, replaces ``compiled``.
+
+    ``before(module)`` runs first, when a module itself is compiled: what torch
+    builds depends on the module as it is then (``OptimizedModule`` picks its
+    entry frame by the type of ``module.forward``), so what ddpscope put on the
+    module leaves before torch looks.
+    """
+    global _original, _ours, _on_compiled, _before
     with _lock:
         _on_compiled = on_compiled
+        _before = before
         if _ours is not None and torch.compile is _ours:
             return
         orig = torch.compile
 
         @functools.wraps(orig)
         def compile(*args: Any, **kwargs: Any) -> Any:
+            target = args[0] if args else None
+            first = _before
+            if first is not None and isinstance(target, torch.nn.Module):
+                try:
+                    first(target)
+                except Exception as exc:  # never fail the user's compile
+                    log.warning("ddpscope: could not prepare for torch.compile: %r", exc)
             out = orig(*args, **kwargs)
             told = _on_compiled
-            target = args[0] if args else None
             if told is not None and isinstance(
                 getattr(target, "__self__", target), torch.nn.Module
             ):
@@ -102,9 +118,10 @@ def install(on_compiled: Callable[[Any, Any], Any]) -> None:
 
 
 def uninstall() -> None:
-    global _original, _ours, _on_compiled
+    global _original, _ours, _on_compiled, _before
     with _lock:
         _on_compiled = None
+        _before = None
         if _ours is not None and torch.compile is _ours and _original is not None:
             torch.compile = _original
             _original = _ours = None

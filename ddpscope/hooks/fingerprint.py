@@ -549,22 +549,23 @@ class Fingerprinter:
         self.clock = clock
         #: Reason of the last ``due()`` that returned True.
         self.pending_reason = ""
-        #: No interval check is due before this step (nothing requested meanwhile).
-        self._quiet_until = 0
+        #: No interval check is due before this step (nothing requested meanwhile);
+        #: read by the step's close to skip calling due() (hooks/attach.py).
+        self.quiet_until = 0
         #: Host ns the last start() took, and device ns of the last polled check.
         self.host_ns = 0
         self.device_ns = 0
         self.started = 0
         # request() runs on another thread: a counter pair needs no lock and a
-        # request arriving mid-due() is never lost.
-        self._requested = 0
-        self._served = 0
+        # request arriving mid-due() is never lost. Unequal: a request is waiting.
+        self.requested = 0
+        self.served = 0
         self._in_flight: deque[tuple[int, str, int, int, PendingDigests]] = deque()
         self._poll_lock = threading.Lock()
 
     def request(self) -> None:
         """Make the next :meth:`due` true, with reason 'request'."""
-        self._requested += 1
+        self.requested += 1
 
     def cost_ns(self) -> int:
         """What one check costs the training step: host time, or device time if longer."""
@@ -588,9 +589,9 @@ class Fingerprinter:
 
     def next_reason(self, step: int, median_step_ns: int) -> str | None:
         """Why to fingerprint after ``step`` ('initial', 'interval', 'request') or None."""
-        requested = self._requested
-        if requested != self._served:
-            self._served = requested
+        requested = self.requested
+        if requested != self.served:
+            self.served = requested
             return "request"
         if self.every == -1:
             return None
@@ -604,18 +605,18 @@ class Fingerprinter:
 
     def due(self, step: int, median_step_ns: int) -> bool:
         """Whether to call ``start(step, self.pending_reason)`` now."""
-        if step < self._quiet_until and self._requested == self._served:
+        if step < self.quiet_until and self.requested == self.served:
             return False  # every step's fast path: two comparisons
         reason = self.next_reason(step, median_step_ns)
         if reason is None:
             if self.every == -1:
-                self._quiet_until = step + 8  # only a request starts one
+                self.quiet_until = step + 8  # only a request starts one
             elif len(self._in_flight) < MAX_IN_FLIGHT:
                 n = self.interval(median_step_ns)
                 if n is not None and n > 1:
                     # The next multiple of n, looked at again within 8 steps: the
                     # step median (and so n) moves at most every 8th step.
-                    self._quiet_until = min(step - step % n + n, step + 8)
+                    self.quiet_until = min(step - step % n + n, step + 8)
             return False
         self.pending_reason = reason
         return True

@@ -1,4 +1,7 @@
-"""The hook object ddpscope puts on the user's model: errors disable ddpscope, never training.
+"""The module hooks ddpscope puts on a compiled wrapper: errors disable ddpscope, never training.
+
+An eager DDP model is timed from its ``forward`` attribute instead
+(hooks/forward.py); models saved by earlier versions carry these hooks.
 
 A pickled model (``torch.save(ddp_model)``) names what its hooks reduce to,
 ``_inert``; models pickled before this module existed name it in

@@ -219,6 +219,7 @@ def batchnorm_layers(module: nn.Module) -> list[str]:
 
 
 #: Where a batch was found, made once: batch_of runs in every training forward.
+_grad_enabled = torch.is_grad_enabled
 _ARG_NAMES = tuple(f"args[{i}]" for i in range(8))
 
 
@@ -285,6 +286,7 @@ class ModelWatch:
         try:
             self._may_sync = (
                 callable(getattr(model, "will_sync_module_buffers", None))
+                and hasattr(model, "require_forward_param_sync")
                 and bool(getattr(model, "broadcast_buffers", True))
                 and bool(getattr(model, "modules_buffers", None))
             )
@@ -299,18 +301,30 @@ class ModelWatch:
         if not probe.enabled or pid.current != probe.pid:
             return
         try:
-            training = torch.is_grad_enabled() and module.training
+            training = _grad_enabled() and module.training
             if training:
-                size, source = batch_of(args, kwargs)
+                first = args[0] if args else None
+                if type(first) is torch.Tensor and first.ndim:
+                    size, source = first.shape[0], _ARG_NAMES[0]  # model(x): every forward
+                else:
+                    size, source = batch_of(args, kwargs)
                 if size > self.size:
                     self.size = size
                     self._post_batch(size, source)
-            if self._may_sync and module.will_sync_module_buffers():
+            # require_forward_param_sync is what will_sync_module_buffers() reads
+            # besides the two facts _may_sync holds: one attribute, not a call.
+            if self._may_sync and module.require_forward_param_sync:
                 # DDP broadcasts rank 0's buffers in this forward: a collective. An
                 # evaluation forward on some ranks only is the classic mismatch.
                 if training:
                     # Every rank's training loop makes these: no frame walk per step.
-                    probe.count(self._training_key)
+                    counts = probe._counts
+                    key = self._training_key
+                    n = counts.get(key)
+                    if n is None:
+                        probe.count(key)
+                    else:
+                        counts[key] = n + 1
                 else:
                     probe.count(count_key(DDP_BUFFERS, self._group, user_frame(sys._getframe(1))))
         except Exception as exc:

@@ -304,11 +304,10 @@ class _Boxed(nn.Module):
         return _Box(self.net(x))
 
 
-def test_an_output_with_no_visible_tensor_gets_the_comm_hook_to_find_backward(
-    rank: Path,
-) -> None:
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static-graph"])
+def test_an_output_with_no_visible_tensor_still_splits_every_step(rank: Path, static: bool) -> None:
     torch.manual_seed(0)
-    model = DDP(_Boxed(), bucket_cap_mb=ONE_LAYER_MB)
+    model = DDP(_Boxed(), bucket_cap_mb=ONE_LAYER_MB, static_graph=static)
     handle = ddpscope.attach(model, record=str(rank / "rec"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(6):
@@ -316,11 +315,43 @@ def test_an_output_with_no_visible_tensor_gets_the_comm_hook_to_find_backward(
         opt.step()
         opt.zero_grad()
     handle.close()
-    # Registered in the first forward, before its backward: the first bucket
-    # marks backward's start, so every step still splits into its phases.
-    assert handle.comm is not None
+    # A parameter marks backward, whatever the output holds: no comm hook needed
+    # (before, the output's gradient did, and a static graph recorded no step).
+    assert handle.comm is None
     got = _recorded_steps(rank / "rec")
     assert [s.step for s in got] == list(range(6))
+    assert all(s.backward_ns > 0 and s.optimizer_ns > 0 for s in got)
+
+
+class _SpareLast(nn.Module):
+    """Its last parameter never takes part: only a static graph lets DDP train it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.spare = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def test_a_marker_that_never_gets_a_gradient_is_handed_over_without_losing_a_step(
+    rank: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = DDP(_SpareLast(), static_graph=True)
+    handle = ddpscope.attach(model, record=str(rank / "rec"))
+    assert isinstance(handle, attach_mod.Handle)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(5):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert handle.tracker._marker is None  # handed over to the output's gradient hook
+    handle.close()
+    got = _recorded_steps(rank / "rec")
+    # Every step counted, the first one too (its backward() call booked whole).
+    assert [s.step for s in got] == list(range(5))
     assert all(s.backward_ns > 0 and s.optimizer_ns > 0 for s in got)
 
 

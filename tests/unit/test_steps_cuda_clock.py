@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,7 +50,8 @@ def tracker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(steps_mod, "_queue_callback", callbacks.append)
     pub = Publisher(load({"endpoint": f"ipc://{tmp_path}/s"}, env={}), "r", 0, {})
     clock = EventClock(FakeEvent, ring=64)
-    tr = steps_mod.StepTracker(FakeModule(), 0, clock, pub, {}, lambda step: None, lambda: (0, 0))
+    sampler = SimpleNamespace(last_epoch=0, last_pass=0)
+    tr = steps_mod.StepTracker(FakeModule(), 0, clock, pub, {}, lambda step: None, sampler)
     yield tr, pub, clock, callbacks
     pub.close()
 
