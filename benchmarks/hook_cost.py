@@ -1,12 +1,14 @@
 """What ddpscope's hooks cost per step and per bucket, in microseconds, with intervals.
 
-One process, world size 1 (gloo), two identical DDP models of tiny layers,
-one attached and one not. Blocks of steps alternate between them, so noise
-hits both; each adjacent pair of blocks gives one difference per step. Run
-with 1 bucket and with ``--layers`` buckets (one per layer): the 1-bucket
-difference is the per-step cost, and the growth from 1 to N buckets over
-N - 1 is the per-bucket cost over DDP's own C++ path (the plain model has no
-comm hook). Each figure comes with a 95% bootstrap interval.
+One process, world size 1 (gloo), pairs of identical DDP models of tiny
+layers, one attached and one not. Blocks of steps alternate between them, so
+noise hits both; each adjacent pair of blocks gives one difference per step.
+The per-step cost is the difference on a one-layer model (``--step-layers``),
+whose short step has the least noise of its own; the per-bucket cost is the
+growth of the difference from 1 to N buckets (``--layers`` layers, a bucket
+each) over N - 1, over DDP's own C++ path (the plain model has no comm hook).
+The 1-bucket difference of the N-layer model is reported too. Each figure
+comes with a 95% bootstrap interval.
 
 Two clocks: wall time (what training loses, contention for the GIL with
 ddpscope's publisher thread included) and the training thread's own CPU
@@ -88,23 +90,36 @@ def main() -> None:
         default=0,
         help="register the timing comm hook at attach, detail every Nth step (0: defaults)",
     )
-    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--layers", type=int, default=40, help="layers (buckets) of the bucket models")
+    p.add_argument("--step-layers", type=int, default=1, help="layers of the per-step model")
     p.add_argument("--record", action="store_true", help="the attached model records to disk")
     p.add_argument("--json", default="")
     args = p.parse_args()
     with world_of_one(record=args.record):  # fingerprints off: they are measured apart
+        # The per-step figure from the smallest model: its step (~0.5 ms) carries
+        # the least noise of its own, and the hooks do not depend on the layers.
+        small = measure(args.step_layers, True, args.blocks, args.steps, args.every)
+        attach_mod._reset_for_tests()
         one = measure(args.layers, True, args.blocks, args.steps, args.every)
         attach_mod._reset_for_tests()
         many = measure(args.layers, False, args.blocks, args.steps, args.every)
         attach_mod._reset_for_tests()
-    result: dict = {"one_bucket": one, "many_buckets": many, "record": args.record}
+    result: dict = {
+        "small": small,
+        "one_bucket": one,
+        "many_buckets": many,
+        "record": args.record,
+    }
     for name in ("wall", "cpu"):
+        small[name].pop("diffs_us")
         per_bucket, per_bucket_ci = slope_ci(
             one[name].pop("diffs_us"), many[name].pop("diffs_us"), max(1, many["buckets"] - 1)
         )
         result[name] = {
-            "per_step_us": one[name]["cost_us"],
-            "per_step_ci_us": one[name]["cost_ci_us"],
+            "per_step_us": small[name]["cost_us"],
+            "per_step_ci_us": small[name]["cost_ci_us"],
+            "per_step_40_layers_us": one[name]["cost_us"],
+            "per_step_40_layers_ci_us": one[name]["cost_ci_us"],
             "per_bucket_us": per_bucket,
             "per_bucket_ci_us": per_bucket_ci,
         }

@@ -54,7 +54,7 @@ _LOCK = threading.Lock()
 #: scheduler that moves the learning rate each step would otherwise cost a
 #: key, a message and a record entry per step.
 HPARAMS_EVERY = 8
-# The step-end gate (Handle._on_step_end) skips the steps in between.
+# Handle._notify_after skips the steps in between: nothing else may fall there.
 assert recipe.SNAPSHOT_EVERY % HPARAMS_EVERY == 0
 assert HPARAMS_EVERY & (HPARAMS_EVERY - 1) == 0 and HPARAMS_EVERY >= bucket_cost.DECIDE_AT_STEP
 _HANDLES: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
@@ -150,7 +150,7 @@ class _Process:
 
     def _request_fingerprint(self) -> None:
         for h in self.handles:
-            h.fingerprinter.request()
+            h.request_fingerprint()
 
     def _install_sigterm(self) -> None:
         # torchrun SIGTERMs the surviving ranks when one fails, and passes on a
@@ -318,6 +318,7 @@ class Handle:
     def request_fingerprint(self) -> None:
         """Fingerprint the weights after the next optimizer step."""
         self.fingerprinter.request()
+        self.tracker.notify_at = 0
 
     def close(self) -> None:
         """Stop publishing for the whole process (flushes what is queued)."""
@@ -414,30 +415,43 @@ class Handle:
             )
 
     def _on_step_end(self, step: int) -> None:
-        # Every step: whether the weights are due a check. Its usual answer, from
-        # two comparisons, is spelled out here (fp.due() says why otherwise).
+        """After a step closed, on the steps the tracker is told to call (notify_at)."""
         fp = self.fingerprinter
-        at = step + self.tracker.state.join_shadow  # the job's step: see job_step
-        if (at >= fp.quiet_until or fp.requested != fp.served) and fp.due(
-            at, self.tracker.median_step_ns()
-        ):
+        at = self.job_step
+        if fp.due(at, self.tracker.median_step_ns()):
             self._fingerprint(at, fp.pending_reason)
-        if step % HPARAMS_EVERY and step > bucket_cost.DECIDE_AT_STEP:
-            return
-        # The rest falls on multiples of HPARAMS_EVERY once past the first steps
-        # (recipe snapshots at powers of two, then multiples of SNAPSHOT_EVERY).
-        if (
-            step == bucket_cost.DECIDE_AT_STEP
-            and self._bucket_mode == 0
-            and self.comm is None
-            and not getattr(self.model, "_comm_hooks", None)
-        ):
-            self._decide_bucket_timing()
-        recipe_probe = self._proc.recipe
-        if recipe_probe.enabled and recipe.snapshot_due(step):
-            recipe_probe.guard(recipe_probe.on_step_end, step)
+        if step <= bucket_cost.DECIDE_AT_STEP or step % HPARAMS_EVERY == 0:
+            # Multiples of HPARAMS_EVERY past the first steps (recipe snapshots
+            # fall on powers of two, then on multiples of SNAPSHOT_EVERY).
+            if (
+                step == bucket_cost.DECIDE_AT_STEP
+                and self._bucket_mode == 0
+                and self.comm is None
+                and not getattr(self.model, "_comm_hooks", None)
+            ):
+                self._decide_bucket_timing()
+            recipe_probe = self._proc.recipe
+            if recipe_probe.enabled and recipe.snapshot_due(step):
+                recipe_probe.guard(recipe_probe.on_step_end, step)
         if step % HPARAMS_EVERY == 0 or self._hparams_key is None:
             self._check_hparams(step)
+        self._notify_after(step)
+
+    def _notify_after(self, step: int) -> None:
+        """Tell the tracker the next step anything here can be due: none is called before."""
+        tracker = self.tracker
+        if step < bucket_cost.DECIDE_AT_STEP or self._hparams_key is None:
+            nxt = step + 1
+        else:
+            nxt = step - step % HPARAMS_EVERY + HPARAMS_EVERY
+        fp = self.fingerprinter
+        # In the tracker's own steps (the fingerprints count the job's: see job_step).
+        nxt = min(nxt, max(step + 1, fp.quiet_until - tracker.state.join_shadow))
+        tracker.notify_at = nxt
+        if fp.requested != fp.served:
+            # A request that came in meanwhile (request_fingerprint sets 0 after
+            # counting it; whichever of the two writes lands last, it is seen).
+            tracker.notify_at = 0
 
     def _check_hparams(self, step: int) -> None:
         opts = list(self.tracker.optimizers.values())

@@ -67,7 +67,7 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
                 tr.call_token = tr.stamp()
                 tr.in_call = True
             except Exception as exc:
-                tr.fail(exc)
+                tr.on_error(exc)
     try:
         return run(*args, **kwargs)
     finally:
@@ -77,7 +77,7 @@ def _backward(*args: Any, **kwargs: Any) -> Any:
                 try:
                     tr.backward_returned()
                 except Exception as exc:
-                    tr.fail(exc)
+                    tr.on_error(exc)
 
 
 def install(tracker: Any) -> None:

@@ -610,13 +610,14 @@ class Fingerprinter:
         reason = self.next_reason(step, median_step_ns)
         if reason is None:
             if self.every == -1:
-                self.quiet_until = step + 8  # only a request starts one
+                self.quiet_until = 1 << 62  # only a request starts one
             elif len(self._in_flight) < MAX_IN_FLIGHT:
                 n = self.interval(median_step_ns)
                 if n is not None and n > 1:
-                    # The next multiple of n, looked at again within 8 steps: the
-                    # step median (and so n) moves at most every 8th step.
-                    self.quiet_until = min(step - step % n + n, step + 8)
+                    # The next multiple of n, looked at again by the next multiple of
+                    # 8: the step median (and so n) moves at most every 8th step, and
+                    # the step's close looks in on multiples of 8 (hooks/attach.py).
+                    self.quiet_until = min(step - step % n + n, step - step % 8 + 8)
             return False
         self.pending_reason = reason
         return True

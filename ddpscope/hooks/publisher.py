@@ -180,6 +180,20 @@ class Publisher:
 
     # --- called from the training side -------------------------------------
 
+    @property
+    def lane(self) -> tuple[collections.deque[Any], int]:
+        """(queue, capacity) for a caller that posts every step (the step tracker).
+
+        It appends ``(kind, model, payload, finisher, born_ns)`` itself while
+        ``alive`` and under capacity, and counts a drop in ``dropped_queue``
+        otherwise, as :meth:`post` does, without the call.
+        """
+        return self._queue, self._cap
+
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
     def post(self, kind: str, model: int, payload: Any, finisher: Finisher | None = None) -> None:
         """Queue an item for sending. Never blocks; counts a drop when full."""
         if not self._alive:

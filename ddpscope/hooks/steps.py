@@ -167,11 +167,15 @@ class StepTracker:
         self.state = publisher.state
         self.param_index = param_index
         self.on_step_end = on_step_end
+        #: on_step_end is called after steps from this one on; its owner moves it
+        #: ahead when nothing is due before (0: every step).
+        self.notify_at = 0
         #: Told of an error in a hook (the handle records it, then calls fail()).
         self.on_error: Callable[[BaseException], None] = self.fail
         #: Read at each step's close: the epoch and pass its batches came from.
         self.sampler = sampler
         self._finisher = self.finish
+        self._lane, self._cap = publisher.lane
         self.enabled = True
         self.step = 0
         #: Steps between two that carry per-bucket detail; adapted in _close.
@@ -470,10 +474,28 @@ class StepTracker:
         """hooks/backward.py: that call returned (or raised)."""
         t = self.stamp()
         self.in_call = False
-        if self._bwd_start is not None:
+        start = self._bwd_start
+        if start is None:
+            if self.armed:
+                self._missed = (self.call_token, t)
+            return
+        end = self._compute_end
+        if end is None or self._open or not self._bwd_sync:
             self._backward_end(t)
-        elif self.armed:
-            self._missed = (self.call_token, t)
+            return
+        # The usual case, _backward_end() spelled out: a synced backward at the top
+        # of the loop.
+        iv = self._iv
+        iv.append((BACKWARD, start, end))
+        iv.append((WAIT, end, t))
+        self._bwd_start = None
+        self.cheap = False
+        self._prev_end = t
+        self._bwd += 1
+        self._synced = True
+        st = self.state
+        st.phase = "idle"
+        st.since_ns = t if self._cpu else _monotonic_ns()
 
     def _backward_end(self, t: int) -> None:
         start = self._bwd_start if self._bwd_start is not None else t
@@ -693,8 +715,30 @@ class StepTracker:
             known = self._opt_relevant.get(id(opt))
             if known is None or known[2]() is not opt:
                 known = self._relevance(opt)
-            if known[0]:
-                self._optimizer_done(known[1])
+            if not known[0]:
+                return
+            open_ = self._open
+            if (
+                known[1]
+                and self._bwd > 0
+                and self._opt_depth == 1
+                and len(open_) == 1
+                and open_[0][0] == OPTIMIZER
+            ):
+                # The usual case, _optimizer_done() spelled out: the optimizer step
+                # that holds the whole model ends the step.
+                t = self.stamp()
+                start = open_[0][1]
+                if start is not None:
+                    self._iv.append((OPTIMIZER, start, t))
+                open_.clear()
+                self._opt_depth = 0
+                self._opt_start = None
+                self._opt_gap = None
+                self._opt += 1
+                self._close(t)
+                return
+            self._optimizer_done(known[1])
         except Exception as exc:
             self.on_error(exc)
 
@@ -794,17 +838,19 @@ class StepTracker:
                 every if self._timed else 0,
             ),
         )
-        self.pub.post(Step.KIND, self.model_index, record, self._finisher)
-        recent = self._recent
-        if self._cpu:
-            recent.append(end - start)
-        else:
-            recent.append(self.clock.host_ns(end) - self.clock.host_ns(start))
-        if not step & 7 or len(recent) < _RECENT_STEPS:
-            # Sorted every 8th step only: the consumers (sampling intervals)
-            # react to trends, not to one step.
-            ordered = sorted(recent)
-            self._median = ordered[len(ordered) // 2]
+        cpu = self._cpu
+        pub, lane = self.pub, self._lane
+        if pub.alive:  # Publisher.post, spelled out
+            if len(lane) < self._cap:
+                born = end if cpu else _monotonic_ns()
+                lane.append((Step.KIND, self.model_index, record, self._finisher, born))
+            else:
+                pub.dropped_queue += 1
+        if step < _RECENT_STEPS:
+            # The median step time over the first steps, here: the comm-hook decision
+            # (step 8) reads it. Later ones are noted by finish(), off this thread.
+            host = self.clock.host_ns
+            self._note_step_time(step, end - start if cpu else host(end) - host(start))
         if self.detail and b_index:
             self._adapt_bucket_every(self.detail_ns)
             every = self.bucket_every if self.fixed_every is None else self.fixed_every
@@ -835,7 +881,8 @@ class StepTracker:
             if entry[1] is not None:
                 # Manual optimization: the rest of this forward is the next step's.
                 entry[1] = end
-        self.on_step_end(step)
+        if step >= self.notify_at:
+            self.on_step_end(step)
 
     def _close_layout(self, step: int, b_index: list[int]) -> None:
         """The bucket layout: read from DDP over the first steps, posted when it changed."""
@@ -880,6 +927,15 @@ class StepTracker:
     def median_step_ns(self) -> int:
         return self._median
 
+    def _note_step_time(self, step: int, ns: int) -> None:
+        recent = self._recent
+        recent.append(ns)
+        if not step & 7 or len(recent) < _RECENT_STEPS:
+            # Sorted every 8th step only: the consumers (sampling intervals)
+            # react to trends, not to one step.
+            ordered = sorted(recent)
+            self._median = ordered[len(ordered) // 2]
+
     def _post_layout(self) -> None:
         self._layout_dirty = False
         self.layout_gen += 1
@@ -915,6 +971,8 @@ class StepTracker:
             return None
         at = dict(zip(device_tokens, times, strict=True))
         t_start, t_end = clock.host_ns(start), clock.host_ns(end)
+        if rec.step >= _RECENT_STEPS:
+            self._note_step_time(rec.step, t_end - t_start)
         sums = dict.fromkeys(_PHASE_FIELD.values(), 0)
         data = 0
         spans: list[tuple[int, int, int]] = []
