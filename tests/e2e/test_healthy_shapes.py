@@ -20,7 +20,7 @@ import pytest
 from tests.support.frameworks import assert_phases_add_up
 from tests.support.recorded import brief, serious, steps_of
 from tests.support.recorded import report_json as report
-from tests.support.torchrun import ROOT, job_env, torchrun
+from tests.support.torchrun import ROOT, job_env, one_cpu, torchrun
 
 pytestmark = pytest.mark.torchrun
 
@@ -33,7 +33,10 @@ STEPS = EPOCHS * 2048 // 32 // 2
 def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     rec = tmp_path / "rec"
     env = job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
-    torchrun([JOB, "--shape", shape, "--epochs", str(EPOCHS)], env=env, timeout=240)
+    # On one CPU: the ranks share what it gives (tests.support.torchrun.one_cpu).
+    torchrun(
+        [JOB, "--shape", shape, "--epochs", str(EPOCHS)], env=env, timeout=240, prefix=one_cpu()
+    )
     return rec
 
 
