@@ -13,10 +13,17 @@ SIGCONT with the SIGHUP of a lost terminal, and ``kill -CONT`` or a shell's
 ``fg``/``bg`` send it too: the extra input threads, which are not daemons,
 outlive the app's exit and the process never ends. Here SIGCONT resumes
 only what a SIGTSTP suspended.
+
+Textual's SIGTSTP handler stops application mode inside the signal handler,
+and that writes to the output thread's queue: a signal that lands while the
+event loop is itself in the middle of a write (holding the queue's lock)
+deadlocks the process, never stopped and never drawing again. Here both
+signals are only noted in the handler and acted on by the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from typing import IO, Any
 
@@ -61,11 +68,38 @@ def use_tolerant_driver(app: App[Any]) -> None:
             file = getattr(self, "_file", None)
             if file is not None:
                 self._file = _Tolerant(file)
+            self._ddpscope_loop: asyncio.AbstractEventLoop | None = None
+
+        def start_application_mode(self) -> None:
+            try:
+                self._ddpscope_loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self._ddpscope_loop = None
+            super().start_application_mode()
+
+        def _defer(self, act: Any, args: tuple[Any, ...]) -> None:
+            loop = self._ddpscope_loop
+            if loop is None or loop.is_closed():
+                act(*args)
+                return
+            try:
+                loop.call_soon_threadsafe(act, *args)
+            except RuntimeError:  # the loop closed in between
+                act(*args)
+
+        def _sigtstp_application(self, *args: Any) -> None:
+            self._defer(super()._sigtstp_application, args)
 
         def _sigcont_application(self, *args: Any) -> None:
             # Textual sets this flag exactly when its SIGTSTP handler suspended
             # application mode to be restarted; start_application_mode clears it.
+            self._defer(self._resume_if_suspended, args)
+
+        def _resume_if_suspended(self, *args: Any) -> None:
             if getattr(self, "_must_signal_resume", False):
                 super()._sigcont_application(*args)
+                # The terminal comes back blank (a fresh alternate screen)
+                # and Textual repaints only what changed meanwhile.
+                self._app.refresh(layout=True)
 
     app.driver_class = TolerantDriver
