@@ -379,6 +379,41 @@ def test_a_rank_waiting_in_a_collective_for_a_crashed_peer_is_a_rank_exit_not_a_
     assert f.ranks == [1]
 
 
+STATIC_GRAPH_ASSERT = TRACEBACK.rsplit("\n", 2)[0] + (
+    '\nRuntimeError: expect_autograd_hooks_ INTERNAL ASSERT FAILED at "/x/torch/csrc/distributed'
+    '/c10d/reducer.cpp":1732, please report a bug to PyTorch. \n'
+)
+
+
+@pytest.mark.parametrize("static_graph", [True, False])
+def test_ddps_autograd_hook_assert_under_a_static_graph_is_told_the_setting_to_change(
+    static_graph: bool,
+) -> None:
+    # torch asks for a bug report; with static_graph=True the way out is the setting
+    # (no_sync accumulation, or two backwards through one forward). Without it the
+    # same words name no known cause, and the fix stays the traceback's.
+    msgs = [*run_infos(2, ddp={"static_graph": static_graph}), *lockstep(2, 1, constant())]
+    t = end_of(msgs)
+    msgs += [end(r, 1, t + MS * (r + 1), "exception", STATIC_GRAPH_ASSERT) for r in range(2)]
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert "expect_autograd_hooks_" in f.message
+    if static_graph:
+        assert "static_graph=True" in f.fix and "no_sync()" in f.fix
+    else:
+        assert "static_graph" not in f.fix and "traceback" in f.fix
+
+
+def test_the_assert_named_is_what_torch_raises_for_a_static_graph_under_no_sync(
+    world_of_one: None,
+) -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Linear(4, 4), static_graph=True)
+    with pytest.raises(RuntimeError, match="expect_autograd_hooks_"), model.no_sync():
+        model(torch.randn(2, 4)).sum().backward()
+
+
 def test_all_ranks_in_all_reduce_at_different_buckets() -> None:
     msgs = run_steps(world=4, steps=30)
     t = end_of(msgs)

@@ -455,6 +455,9 @@ def _exit_fix(run: RunState, first: _Stop) -> str:
             "that moment are consequences of the lost peer."
         )
     if first.how == "exception":
+        known = _known_ddp_error(info.ddp if info else {}, _error_of(run, first.rank))
+        if known:
+            return known
         return (
             f"Fix the error in rank {first.rank}'s traceback (evidence.stopped.{first.rank}.error);"
             " errors on other ranks after it are consequences of the lost peer."
@@ -464,3 +467,20 @@ def _exit_fix(run: RunState, first: _Stop) -> str:
         "(drop_last=True for exact equality), use the same stop condition (max_steps, early "
         "stopping) on every rank, or wrap the loop in torch.distributed.algorithms.Join."
     )
+
+
+def _known_ddp_error(ddp: dict[str, Any], error: str) -> str:
+    """The fix for a DDP error whose cause is a known pairing of settings, else ''.
+
+    torch's message for these is an internal assert that asks for a bug
+    report; the user's way out is a setting, not their code.
+    """
+    if "expect_autograd_hooks_" in error and ddp.get("static_graph"):
+        return (
+            "DDP(static_graph=True) raises this internal assert when a backward runs that DDP "
+            "did not prepare for: under no_sync(), as gradient accumulation does "
+            "(pytorch/pytorch#143580), or a second backward through one forward's outputs "
+            "(#106953). Build DDP without static_graph=True "
+            "(Hugging Face Trainer: ddp_static_graph=False), or accumulate without no_sync()."
+        )
+    return ""
