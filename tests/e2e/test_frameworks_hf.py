@@ -140,11 +140,16 @@ def test_every_rank_reading_the_same_iterable_stream_is_not_named_today(
     assert found == [], brief(found)
 
 
-def test_hf_data_straggler_is_measured_in_accelerates_collective(
-    tmp_path: Path, endpoint: str
-) -> None:
-    rec = record(tmp_path, endpoint, HF, "--slow-ms", SLOW_MS)
-    steps = steps_of(rec)
+@pytest.fixture(scope="module")
+def hf_straggler(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One HF Trainer job whose rank 1 loads each batch SLOW_MS late, for the tests
+    that read its recording (each HF job costs ~25 s here)."""
+    tmp = tmp_path_factory.mktemp("hf-straggler")
+    return record(tmp, f"ipc://{tmp}/s", HF, "--slow-ms", SLOW_MS)
+
+
+def test_hf_data_straggler_is_measured_in_accelerates_collective(hf_straggler: Path) -> None:
+    steps = steps_of(hf_straggler)
     slow, fast = steps[1], steps[0]
     assert median_ms(slow, "data_ns") > 30
     assert median_ms(fast, "data_ns") < 10
@@ -155,7 +160,6 @@ def test_hf_data_straggler_is_measured_in_accelerates_collective(
     assert any("accelerate" in site for site in sites), sites
 
 
-def test_hf_data_straggler_is_named_with_its_rank(tmp_path: Path, endpoint: str) -> None:
-    rec = record(tmp_path, endpoint, HF, "--slow-ms", SLOW_MS)
-    found = [f for f in serious(report(rec)) if f["kind"] == "straggler"]
+def test_hf_data_straggler_is_named_with_its_rank(hf_straggler: Path) -> None:
+    found = [f for f in serious(report(hf_straggler)) if f["kind"] == "straggler"]
     assert [f["ranks"] for f in found] == [[1]], brief(found)

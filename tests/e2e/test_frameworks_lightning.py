@@ -98,9 +98,17 @@ def test_a_missing_set_epoch_in_a_loop_inside_manual_optimization_is_named(
             assert accounted(s) <= s.t_end - s.t_start + SLACK_NS, s
 
 
-def test_lightning_data_straggler_is_measured_on_both_sides(tmp_path: Path, endpoint: str) -> None:
-    rec = record(tmp_path, endpoint, LIGHTNING, "--slow-ms", SLOW_MS)
-    steps = steps_of(rec)
+@pytest.fixture(scope="module")
+def lightning_straggler(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Lightning job whose rank 1 loads each batch SLOW_MS late, for the tests that
+    read its recording. 40 steps: a window of steps this short (~45 ms) must span a
+    second of run time for the straggler to be named."""
+    tmp = tmp_path_factory.mktemp("lightning-straggler")
+    return record(tmp, f"ipc://{tmp}/s", LIGHTNING, "--slow-ms", SLOW_MS, "--epochs", "5")
+
+
+def test_lightning_data_straggler_is_measured_on_both_sides(lightning_straggler: Path) -> None:
+    steps = steps_of(lightning_straggler)
     slow, fast = steps[1], steps[0]
     assert median_ms(slow, "data_ns") > 30, "rank 1's stall is its data time"
     assert median_ms(fast, "data_ns") < 10, "rank 0's wait is not booked as data"
@@ -109,10 +117,8 @@ def test_lightning_data_straggler_is_measured_on_both_sides(tmp_path: Path, endp
     assert_phases_add_up(steps)
 
 
-def test_lightning_data_straggler_is_named_with_its_rank(tmp_path: Path, endpoint: str) -> None:
-    # 40 steps: a window of steps this short (~45 ms) must span a second of run time.
-    rec = record(tmp_path, endpoint, LIGHTNING, "--slow-ms", SLOW_MS, "--epochs", "5")
-    found = [f for f in serious(report(rec)) if f["kind"] == "straggler"]
+def test_lightning_data_straggler_is_named_with_its_rank(lightning_straggler: Path) -> None:
+    found = [f for f in serious(report(lightning_straggler)) if f["kind"] == "straggler"]
     assert [f["ranks"] for f in found] == [[1]], brief(found)
 
 
