@@ -68,23 +68,14 @@ def use_tolerant_driver(app: App[Any]) -> None:
             file = getattr(self, "_file", None)
             if file is not None:
                 self._file = _Tolerant(file)
-            self._ddpscope_loop: asyncio.AbstractEventLoop | None = None
-
-        def start_application_mode(self) -> None:
-            try:
-                self._ddpscope_loop = asyncio.get_running_loop()
-            except RuntimeError:
-                self._ddpscope_loop = None
-            super().start_application_mode()
 
         def _defer(self, act: Any, args: tuple[Any, ...]) -> None:
-            loop = self._ddpscope_loop
-            if loop is None or loop.is_closed():
-                act(*args)
-                return
+            # A signal handler runs on the main thread, inside the app's loop
+            # when it is running; outside it (start-up, shutdown) there is no
+            # loop to wait for and nothing of the app's mid-write.
             try:
-                loop.call_soon_threadsafe(act, *args)
-            except RuntimeError:  # the loop closed in between
+                asyncio.get_running_loop().call_soon_threadsafe(act, *args)
+            except RuntimeError:
                 act(*args)
 
         def _sigtstp_application(self, *args: Any) -> None:

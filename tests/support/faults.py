@@ -78,11 +78,13 @@ def port_free(endpoint: str) -> bool:
     return True
 
 
-def until(ok: Callable[[], bool], timeout: float, what: str) -> None:
+def until(ok: Callable[[], bool], timeout: float, what: str | Callable[[], str]) -> None:
+    """Wait for ``ok``; ``what`` names it, or says what was seen when it timed out."""
     deadline = time.monotonic() + timeout
     while not ok():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
+            said = what() if callable(what) else what
+            raise AssertionError(f"not within {timeout} s: {said}")
         time.sleep(0.1)
 
 
