@@ -7,6 +7,7 @@ was runnable but not running, a computing or sleeping straggler's is not.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -14,7 +15,7 @@ import pytest
 
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
-from ddpscope.schema import Step
+from ddpscope.schema import Message, Step
 from tests.support.synth import (
     MS,
     STEP_100MS,
@@ -81,6 +82,32 @@ def test_a_rank_starved_of_cpu_is_named_contention_not_a_straggler(world: int, s
     assert ev["on_cpu_ratio"] < 1.2
     assert ev["extra_run_queue_ms_per_step"] > 30
     assert f.message.startswith(f"rank {SLOW} waits for a CPU on host synth-host")
+
+
+def read_every(msgs: list[Message], steps: int) -> list[Message]:
+    """Readings taken once per publisher tick, ``steps`` steps apart: in between,
+    each step carries the last reading (a rank interpolates between two, which
+    misplaces a step's wait the same way when the wait is not uniform)."""
+    held: dict[int, int] = {}
+    out: list[Message] = []
+    for m in msgs:
+        if isinstance(m, Step):
+            if m.step % steps == 0 or m.rank not in held:
+                held[m.rank] = m.rq_wait_ns
+            m = dataclasses.replace(m, rq_wait_ns=held[m.rank])
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_starved_rank_is_named_contention_when_its_readings_lag_its_steps(seed: int) -> None:
+    # A step's own work less its wait is then a difference of two misaligned,
+    # large numbers; the window's sums still say it would keep pace on a CPU.
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=2.0)
+    msgs = with_run_queue([*run_infos(2), *lockstep(2, 200, slow)], starved())
+    analysis = feed(Analysis(detectors=[StragglerDetector()]), read_every(msgs, 3))
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
+    assert findings(analysis)[0].evidence["on_cpu_ratio"] < 1.2
 
 
 @pytest.mark.parametrize("seed", range(4))

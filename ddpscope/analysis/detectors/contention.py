@@ -11,10 +11,19 @@ steps after ``first``):
 
 - ``excess = own(r) - ref``: its extra own work against the others' median;
 - ``extra = rq(r) - median of the others' rq``: its extra run-queue wait;
-- on a CPU: the median over the steps of ``(own(r) - rq(r)) / (ref -
-  others' rq)``, its own work less the time it could not run, against the
-  others' (a median, as the straggler's own ratio is: one long step does not
-  carry it).
+- on a CPU: the median over the steps of ``own(r) / ref``, times the share
+  of its own work it spent running (``1 - rq(r) / own(r)``) over the others'
+  same share: what its own work would be against theirs with a CPU of its
+  own. The ratio is a median, as the straggler's is (one long step does not
+  carry it); the shares come from the window's sums, not from each step. A
+  rank reads its wait once per publisher tick and interpolates between
+  readings (``hooks/schedwait.py``), so one step's wait can hold a
+  neighbour's: on a starved rank a step's own work less its wait is a small
+  difference of two large, misaligned numbers. The median of those per-step
+  differences' ratios (this rule's first form) swung from 0 to 1.35 between
+  runs of the same starved job under the test suite's load, and named it a
+  straggler in one of four; over a window the misplaced waits cancel but at
+  its ends.
 
 The rank is starved, not a straggler, when ``extra`` explains at least
 ``EXPLAINED`` of ``excess`` and on a CPU it would not be slow (that ratio
@@ -57,7 +66,7 @@ class Starved:
     ref: float
     rq: int
     others_rq: float
-    #: Median over the steps of its own work less its wait, over the others' same.
+    #: Its own work against the others' as it would be on a CPU of its own.
     on_cpu_ratio: float
 
     @property
@@ -86,9 +95,8 @@ def starved(
     """
     rows = run.by_step
     prev = rows.get(steps[0]) if steps else None
-    n = 0
-    own_sum = ref_sum = rq_sum = others_sum = 0.0
-    ratios: list[float] = []
+    # (own, ref, its wait, the others' median wait) of each step with readings.
+    kept: list[tuple[float, float, int, float]] = []
     for i in range(1, len(steps)):
         row = rows.get(steps[i])
         if row is None or prev is None:
@@ -106,26 +114,41 @@ def starved(
             elif wait >= 0:
                 waits.append(wait)
         prev = row
-        if mine < 0 or not waits:
-            continue
-        theirs = median(waits)
-        n += 1
-        own_sum += own[i]
-        ref_sum += ref[i]
-        rq_sum += mine
-        others_sum += theirs
-        if ref[i] > theirs:
-            # Its wait also holds its wake-ups from collectives (outside own work):
-            # on a starved rank it can exceed its own work.
-            ratios.append(max(0, own[i] - mine) / (ref[i] - theirs))
-    if n < len(steps) // 2 or not ratios or own_sum <= ref_sum:
+        if mine >= 0 and waits:
+            kept.append((own[i], ref[i], mine, median(waits)))
+    if len(kept) < len(steps) // 2 or not kept:
+        return None
+    own_sum, ref_sum, rq_sum, others_sum = (sum(col) for col in zip(*kept, strict=True))
+    if own_sum <= ref_sum:
+        return None
+    on_cpu = _on_cpu_ratio(kept)
+    if on_cpu is None:
         return None
     view = run.ranks.get(r)
     host = view.info.host if view is not None and view.info is not None else ""
-    found = Starved(n, host, int(own_sum), ref_sum, int(rq_sum), others_sum, median(ratios))
+    found = Starved(len(kept), host, int(own_sum), ref_sum, int(rq_sum), others_sum, on_cpu)
     if found.extra < EXPLAINED * found.excess or found.on_cpu_ratio >= slow_ratio:
         return None
     return found
+
+
+def _on_cpu_ratio(kept: list[tuple[float, float, int, float]]) -> float | None:
+    """How much slower than the others it would be on a CPU of its own.
+
+    Its own work against the others' (the median of the per-step ratios, as
+    the straggler's own ratio is: one long step does not carry it), times the
+    share of its own work it was running over the others' same share, both
+    shares from the window's sums (where misplaced waits cancel). None when
+    the others waited all through their own work (nothing to compare with).
+    """
+    own_sum, ref_sum, rq_sum, others_sum = (sum(col) for col in zip(*kept, strict=True))
+    ratios = [o / f for o, f, _, _ in kept if f > 0]
+    if not ratios or others_sum >= ref_sum:
+        return None
+    # Its wait also holds its wake-ups from collectives (outside own work): on a
+    # starved rank it can exceed its own work.
+    running = max(0.0, 1 - rq_sum / own_sum)
+    return median(ratios) * running / (1 - others_sum / ref_sum)
 
 
 def _ms(ns: float) -> float:
