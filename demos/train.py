@@ -37,6 +37,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per step (no_sync)")
+    p.add_argument(
+        "--accum-without-no-sync", action="store_true", help="--accum, all-reducing each one"
+    )
     p.add_argument("--skip-every", type=int, default=0, help="skip optimizer every Nth step")
     p.add_argument("--comm-hook", choices=["none", "fp16-before", "fp16-after"], default="none")
     p.add_argument("--no-attach", action="store_true", help="train without ddpscope.attach")
@@ -254,7 +257,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 xb, yb = xb.to(device), yb.to(device)
             micro += 1
             sync = micro == args.accum
-            with _null() if sync else model.no_sync():
+            with _null() if sync or args.accum_without_no_sync else model.no_sync():
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
                     out = model(xb)
                 loss = loss_fn(out.float(), yb) / args.accum

@@ -22,6 +22,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.hang import HangDetector
     from ddpscope.analysis.detectors.hparams import HyperparamDetector
     from ddpscope.analysis.detectors.rank_exit import RankExitDetector
+    from ddpscope.analysis.detectors.recipe.accumulation import AccumulationDetector
     from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
     from ddpscope.analysis.detectors.recipe.checkpoint import CheckpointDetector
     from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector
@@ -56,6 +57,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         BatchNormDetector(mode),
         ProcessGroupDetector(mode),
         DeviceDetector(mode),
+        AccumulationDetector(mode),
     ]
 
 

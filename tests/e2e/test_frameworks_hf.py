@@ -58,10 +58,15 @@ def test_hf_trainer_on_three_ranks_pads_its_batch_shards_and_raises_nothing(
 
 
 def test_hf_trainer_callback_attaches_without_ddpscope_run(tmp_path: Path, endpoint: str) -> None:
-    rec = record(tmp_path, endpoint, HF, "--callback", zero_code=False)
+    # With gradient_accumulation_steps=2, which the Trainer runs under no_sync().
+    rec = record(tmp_path, endpoint, HF, "--callback", "--accum", "2", zero_code=False)
     steps = steps_of(rec)
-    assert sorted(steps) == [0, 1] and all(len(ss) == 48 for ss in steps.values())
-    assert serious(report(rec)) == []
+    assert sorted(steps) == [0, 1] and all(len(ss) == 24 for ss in steps.values())
+    assert all(s.micro_batches == 2 and s.optimizer_steps == 1 for ss in steps.values() for s in ss)
+    doc = report(rec)
+    assert serious(doc) == [], brief(serious(doc))
+    assert [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"] == []
+    assert doc["run"]["training"]["accumulation"] == 2
 
 
 def test_accelerate_launch_job_raises_nothing(tmp_path: Path, endpoint: str) -> None:
@@ -80,8 +85,14 @@ def test_accelerate_launch_job_raises_nothing(tmp_path: Path, endpoint: str) -> 
         HF,
         "--api",
         "accelerate",
+        # Accumulation under accelerator.accumulate(), which enters no_sync().
+        "--accum",
+        "2",
     ]
-    assert_launched_quietly(cmd, endpoint, rec, steps_per_rank=48)
+    assert_launched_quietly(cmd, endpoint, rec, steps_per_rank=24)
+    doc = report(rec)
+    assert [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"] == []
+    assert doc["run"]["training"]["accumulation"] == 2
 
 
 def test_every_rank_taking_the_same_batches_under_accelerate_is_named(
@@ -102,6 +113,23 @@ def test_accelerate_dispatched_batches_raise_nothing(tmp_path: Path, endpoint: s
     assert found == [], brief(found)
     steps = steps_of(rec)
     assert sorted(steps) == [0, 1] and all(len(ss) == 48 for ss in steps.values())
+
+
+def test_accelerate_syncing_each_micro_batch_is_named(tmp_path: Path, endpoint: str) -> None:
+    # sync_each_batch=True: every backward all-reduces, and accelerate's optimizer
+    # wrapper steps at every other one (accumulation done right: the launch test above).
+    flags = ["--api", "accelerate", "--accum", "2", "--sync-each-batch", "--epochs", "2"]
+    rec = record(tmp_path, endpoint, HF, *flags)
+    doc = report(rec)
+    (f,) = [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"]
+    assert f["ranks"] == [0, 1]
+    # 2 epochs of 16 micro-batches a rank: 32 step messages, 16 optimizer steps.
+    assert f["evidence"]["backwards_per_optimizer_step"] == {"0": 2, "1": 2}
+    assert f["evidence"]["optimizer_steps"] == {"0": 16, "1": 16}
+    assert all(len(ss) == 32 for ss in steps_of(rec).values())
+    assert doc["run"]["training"]["accumulation"] == 2
+    others = [x for x in serious(doc) if x["kind"] != "accumulate_without_no_sync"]
+    assert others == [], brief(others)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ RECIPE_KINDS = {
     "batchnorm_small_batch",
     "no_destroy_process_group",
     "device_mismatch",
+    "accumulate_without_no_sync",
 }
 
 
@@ -120,12 +121,13 @@ def test_collective_counts_are_recorded_at_the_same_steps_and_agree(healthy: Any
 @pytest.fixture(scope="module")
 def misconfigured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # Independent faults in one job: every rank writes one checkpoint path with the DDP
-    # wrapper's keys, DataParallel inside DDP, 8 samples per rank through BatchNorm, and
-    # no destroy_process_group() at the end.
+    # wrapper's keys, DataParallel inside DDP, 8 samples per rank through BatchNorm, two
+    # micro-batches per optimizer step each all-reduced, and no destroy_process_group().
     tmp = tmp_path_factory.mktemp("misconfigured")
     rec = tmp / "rec"
     flags = ["--epochs", "1", "--checkpoint", str(tmp / "ck.pt"), "--save-all-ranks"]
     flags += ["--save-ddp-state", "--dataparallel", "--batchnorm", "--batch", "8", "--no-destroy"]
+    flags += ["--accum", "2", "--accum-without-no-sync", "--samples", "512"]
     run_job(rec, f"ipc://{tmp}/s", *flags)
     doc: dict[str, Any] = report_of(rec)
     doc["checkpoint"] = str(tmp / "ck.pt")
@@ -157,6 +159,19 @@ def test_batchnorm_on_8_samples_per_rank_is_info_and_never_more(misconfigured: A
     assert f["evidence"]["batchnorm_layers"] == 4
 
 
+def test_accumulating_without_no_sync_is_named_with_its_backwards_per_step(
+    misconfigured: Any,
+) -> None:
+    (f,) = of_kind(misconfigured, "accumulate_without_no_sync")
+    assert f["ranks"] == [0, 1] and f["severity"] in ("info", "warning")
+    ev = f["evidence"]
+    # 512 samples, 8 per rank and micro-batch, 2 ranks: 32 backwards, 16 optimizer steps.
+    assert ev["backwards_per_optimizer_step"] == {"0": 2, "1": 2}
+    assert ev["optimizer_steps"] == {"0": 16, "1": 16}
+    assert (f["severity"] == "warning") == (ev["extra_allreduce_share"] >= ev["warn_share"])
+    assert misconfigured["run"]["training"]["accumulation"] == 2
+
+
 def test_exiting_without_destroy_process_group_is_info(misconfigured: Any) -> None:
     (f,) = of_kind(misconfigured, "no_destroy_process_group")
     assert f["severity"] == "info" and f["ranks"] == [0, 1]
@@ -165,6 +180,7 @@ def test_exiting_without_destroy_process_group_is_info(misconfigured: Any) -> No
 def test_nothing_but_the_injected_faults_is_reported(misconfigured: Any) -> None:
     kinds = sorted(f["kind"] for f in misconfigured["findings"])
     assert kinds == [
+        "accumulate_without_no_sync",
         "batchnorm_small_batch",
         "checkpoint_all_ranks",
         "checkpoint_all_ranks",

@@ -104,6 +104,7 @@ def trainer(args: argparse.Namespace) -> None:
             disable_tqdm=True,
             dataloader_num_workers=0,
             ddp_backend="gloo",
+            gradient_accumulation_steps=args.accum,
             seed=0,
         )
         t = Trainer(
@@ -120,11 +121,18 @@ def trainer(args: argparse.Namespace) -> None:
 
 def accelerate_loop(args: argparse.Namespace) -> None:
     from accelerate import Accelerator, DataLoaderConfiguration
+    from accelerate.utils import GradientAccumulationPlugin
 
     # None: accelerate's default (dispatch an IterableDataset, shard the rest).
     dispatch = True if args.dispatch else False if args.no_dispatch else None
     acc = Accelerator(
-        cpu=True, dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch)
+        cpu=True,
+        dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch),
+        # sync_each_batch: accelerate all-reduces every micro-batch (meant to save memory
+        # under FSDP; under DDP it only adds all-reduces).
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=args.accum, sync_each_batch=args.sync_each_batch
+        ),
     )
     net = model()
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -144,11 +152,14 @@ def accelerate_loop(args: argparse.Namespace) -> None:
     steps = 0
     for _epoch in range(args.epochs):
         for batch in loader:
-            out = net(**batch)
-            acc.backward(out.loss)
-            opt.step()
-            opt.zero_grad()
-            steps += 1
+            with acc.accumulate(net):
+                out = net(**batch)
+                acc.backward(out.loss)
+                # Under accumulate(), accelerate's optimizer wrapper steps only at
+                # the end of each cycle.
+                opt.step()
+                opt.zero_grad()
+            steps += int(acc.sync_gradients)
     acc.wait_for_everyone()
     if acc.is_main_process:
         print(f"done: {steps} optimizer steps", flush=True)
@@ -167,6 +178,8 @@ def main() -> None:
     p.add_argument("--dispatch", action="store_true", help="accelerate: rank 0 scatters")
     p.add_argument("--no-dispatch", action="store_true", help="accelerate: never dispatch")
     p.add_argument("--iterable", action="store_true", help="accelerate: an IterableDataset")
+    p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--sync-each-batch", action="store_true", help="accelerate: sync each one")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
     args = p.parse_args()
     if args.api == "trainer":

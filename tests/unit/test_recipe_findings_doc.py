@@ -31,6 +31,7 @@ def test_the_recipe_kinds_are_registered_in_the_default_detectors() -> None:
         "batchnorm_small_batch",
         "no_destroy_process_group",
         "device_mismatch",
+        "accumulate_without_no_sync",
     }
     assert recipe <= set(KINDS)
 

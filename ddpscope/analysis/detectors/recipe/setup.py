@@ -79,9 +79,32 @@ class TrainingSetup:
 
 
 def _accumulation(view: RankView) -> int | None:
+    """Micro-batches per optimizer step: the most common over the recent ones.
+
+    Counted per optimizer step, not per step message: a script that accumulates
+    without ``no_sync()`` closes a step at every synced backward, one micro-batch
+    each, and only the last of a cycle has its ``optimizer.step()``
+    (``accumulation.py``). A rank with more than one attached model (a GAN),
+    or none whose optimizer ddpscope sees, is counted per step message.
+    """
     # From the newest end of the deque: copying a 2,048-step history per rank per redraw
     # would cost more than the rest of a header.
-    recent = itertools.islice(reversed(view.steps), ACCUM_STEPS)
+    recent = list(itertools.islice(reversed(view.steps), ACCUM_STEPS))
+    recent.reverse()
+    per_opt: Counter[int] = Counter()
+    if len(view.infos) <= 1 and view.other_model_steps == 0:
+        # A cycle cut short at the window's old end is not counted.
+        whole = bool(recent) and recent[0].step == 0
+        pending = 0
+        for s in recent:
+            pending += max(0, s.micro_batches)
+            if s.optimizer_steps > 0:
+                if whole and pending > 0:
+                    per_opt[pending] += 1
+                whole = True
+                pending = 0
+    if per_opt:
+        return per_opt.most_common(1)[0][0]
     counts = Counter(s.micro_batches for s in recent if s.micro_batches > 0)
     return counts.most_common(1)[0][0] if counts else None
 
