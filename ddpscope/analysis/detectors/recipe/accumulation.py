@@ -39,6 +39,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ddpscope.analysis.detectors.recipe.common import MAX_LISTED
+from ddpscope.analysis.detectors.recipe.setup import one_model
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
@@ -75,8 +76,6 @@ class _Cycles:
     bare_wait_ns: int = 0
     step_ns: int = 0
     first_step: int = -1
-    #: Another attached model's step came from this rank.
-    more_models: bool = False
 
     def take(self, s: Step) -> None:
         self.step_ns += max(0, s.t_end - s.t_start)
@@ -92,7 +91,7 @@ class _Cycles:
     def bare_per_cycle(self) -> int:
         """Bare steps per optimizer step when regular, else 0."""
         cycles = sum(self.by_bare.values())
-        if cycles < MIN_CYCLES or self.more_models:
+        if cycles < MIN_CYCLES:
             return 0
         bare, count = self.by_bare.most_common(1)[0]
         return bare if bare > 0 and count >= REGULAR_SHARE * cycles else 0
@@ -119,10 +118,8 @@ class AccumulationDetector:
         cycles = ranks.get(msg.rank)
         if cycles is None:
             cycles = ranks[msg.rank] = _Cycles()
-        if msg.model != 0:
-            cycles.more_models = True
-            return
-        cycles.take(msg)
+        if msg.model == 0:  # other models' steps make the rank unjudged (tick)
+            cycles.take(msg)
 
     def tick(self, run: RunState, book: FindingBook) -> None:
         ranks = self._runs.get(run.run_id)
@@ -131,8 +128,8 @@ class AccumulationDetector:
         found: dict[int, tuple[int, _Cycles]] = {}
         for r, cycles in ranks.items():
             view = run.ranks.get(r)
-            if view is not None and len(view.infos) > 1:
-                cycles.more_models = True
+            if view is None or not one_model(view):
+                continue
             bare = cycles.bare_per_cycle()
             if bare:
                 found[r] = (bare, cycles)

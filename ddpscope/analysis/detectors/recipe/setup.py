@@ -78,6 +78,11 @@ class TrainingSetup:
         }
 
 
+def one_model(view: RankView) -> bool:
+    """Whether the rank attached a single DDP model (a GAN attaches two)."""
+    return len(view.infos) <= 1 and view.other_model_steps == 0
+
+
 def _accumulation(view: RankView) -> int | None:
     """Micro-batches per optimizer step: the most common over the recent ones.
 
@@ -92,7 +97,7 @@ def _accumulation(view: RankView) -> int | None:
     recent = list(itertools.islice(reversed(view.steps), ACCUM_STEPS))
     recent.reverse()
     per_opt: Counter[int] = Counter()
-    if len(view.infos) <= 1 and view.other_model_steps == 0:
+    if one_model(view):
         # A cycle cut short at the window's old end is not counted.
         whole = bool(recent) and recent[0].step == 0
         pending = 0
