@@ -27,7 +27,7 @@ from tests.support.frameworks import (
     median_ms,
     record,
 )
-from tests.support.recorded import brief, serious, steps_of
+from tests.support.recorded import brief, of_kind, serious, steps_of
 from tests.support.recorded import report_json as report
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
@@ -65,7 +65,7 @@ def test_hf_trainer_callback_attaches_without_ddpscope_run(tmp_path: Path, endpo
     assert all(s.micro_batches == 2 and s.optimizer_steps == 1 for ss in steps.values() for s in ss)
     doc = report(rec)
     assert serious(doc) == [], brief(serious(doc))
-    assert [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"] == []
+    assert of_kind(doc, "accumulate_without_no_sync") == []
     assert doc["run"]["training"]["accumulation"] == 2
 
 
@@ -91,7 +91,7 @@ def test_accelerate_launch_job_raises_nothing(tmp_path: Path, endpoint: str) -> 
     ]
     assert_launched_quietly(cmd, endpoint, rec, steps_per_rank=24)
     doc = report(rec)
-    assert [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"] == []
+    assert of_kind(doc, "accumulate_without_no_sync") == []
     assert doc["run"]["training"]["accumulation"] == 2
 
 
@@ -121,7 +121,7 @@ def test_accelerate_syncing_each_micro_batch_is_named(tmp_path: Path, endpoint: 
     flags = ["--api", "accelerate", "--accum", "2", "--sync-each-batch", "--epochs", "2"]
     rec = record(tmp_path, endpoint, HF, *flags)
     doc = report(rec)
-    (f,) = [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"]
+    (f,) = of_kind(doc, "accumulate_without_no_sync")
     assert f["ranks"] == [0, 1]
     # 2 epochs of 16 micro-batches a rank: 32 step messages, 16 optimizer steps.
     assert f["evidence"]["backwards_per_optimizer_step"] == {"0": 2, "1": 2}

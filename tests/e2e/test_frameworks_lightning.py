@@ -29,7 +29,7 @@ from tests.support.frameworks import (
     median_ms,
     record,
 )
-from tests.support.recorded import brief, median, serious, steps_of
+from tests.support.recorded import brief, median, of_kind, serious, steps_of
 from tests.support.recorded import report_json as report
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
@@ -57,7 +57,7 @@ def test_lightning_sampler_replacement_and_set_epoch_are_seen_as_lightnings(
     doc = report(rec)
     assert serious(doc) == [], brief(serious(doc))
     # Lightning accumulates under no_sync(): nothing to say about it, even as info.
-    assert [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"] == []
+    assert of_kind(doc, "accumulate_without_no_sync") == []
     assert doc["run"]["training"]["accumulation"] == 2
     msgs = open_run(str(rec)).messages
     for rank, ms in msgs.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.frameworks import assert_phases_add_up
-from tests.support.recorded import brief, serious, steps_of
+from tests.support.recorded import brief, of_kind, serious, steps_of
 from tests.support.recorded import report_json as report
 from tests.support.torchrun import ROOT, job_env, one_cpu, torchrun
 
@@ -49,7 +49,7 @@ def test_a_healthy_job_of_this_shape_raises_nothing(
     assert serious(doc) == [], brief(doc["findings"])
     # A GAN's discriminator has bare synced backwards by design (the generator's): not
     # accumulation, even as info.
-    assert [f for f in doc["findings"] if f["kind"] == "accumulate_without_no_sync"] == []
+    assert of_kind(doc, "accumulate_without_no_sync") == []
     steps = steps_of(rec)
     # A GAN's discriminator all-reduces in both backwards of an iteration (its own
     # loss's, and the generator's, which flows through it) and is stepped after one:

@@ -17,6 +17,7 @@ import pytest
 from ddpscope.analysis import report, report_text
 from ddpscope.record import find_runs, open_run
 from ddpscope.schema import Collectives
+from tests.support.recorded import of_kind
 from tests.support.torchrun import DEMO, job_env, torchrun
 
 pytestmark = pytest.mark.torchrun
@@ -49,10 +50,6 @@ def report_of(rec: Path, run_id: str | None = None, hang_after_s: float | None =
     doc = report.build(*report.analyze(str(rec), run_id=run_id, hang_after_s=hang_after_s))
     assert doc["problems"] == [], doc["problems"]
     return doc
-
-
-def of_kind(doc: dict[str, Any], kind: str) -> list[dict[str, Any]]:
-    return [f for f in doc["findings"] if f["kind"] == kind]
 
 
 def serious(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -34,6 +34,11 @@ def serious(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return [f for f in doc["findings"] if f["severity"] in ("warning", "error")]
 
 
+def of_kind(doc: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    """The report's findings of one kind, at any severity."""
+    return [f for f in doc["findings"] if f["kind"] == kind]
+
+
 def brief(findings: list[dict[str, Any]]) -> str:
     """Findings in one line each, for assertion messages."""
     return json.dumps([(f["kind"], f["severity"], f["ranks"], f["message"]) for f in findings])
