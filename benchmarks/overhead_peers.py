@@ -94,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
 
     def build() -> DDP:
         torch.manual_seed(0)
-        net = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(LAYERS)])
+        net = nn.Sequential(*[nn.Linear(args.width, args.width) for _ in range(args.layers)])
         cap = layer_mb if args.buckets > 1 else 4096.0
         return DDP(net, bucket_cap_mb=cap)
 
@@ -249,7 +249,9 @@ def summarize(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     return {
         "method": "interleaved blocks, rotating order, one torchrun job",
         "preset": args.preset,
-        "layers": LAYERS,
+        "width": args.width,
+        "batch": args.batch,
+        "layers": args.layers,
         "buckets": r0["buckets"],
         "bucket_every": r0["bucket_every"],
         "comm_hook": r0.get("comm_hook"),
@@ -278,14 +280,17 @@ def main() -> None:
     p.add_argument("--json", default="")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--traceml", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--width", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, default=LAYERS, help="square linear layers")
+    p.add_argument("--width", type=int, default=0, help="layer width (0: the preset's)")
+    p.add_argument("--batch", type=int, default=0, help="batch rows (0: the preset's)")
     p.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     preset = PRESETS[args.preset]
+    args.width = args.width or preset["width"]
+    args.batch = args.batch or preset["batch"]
     steps = args.steps or (20 if args.preset == "5ms" else 2)
     have_traceml = importlib.util.find_spec("traceml_ai") is not None
     use_traceml = have_traceml and not args.no_traceml
@@ -302,7 +307,8 @@ def main() -> None:
         cmd = torchrun(args.nproc, __file__, "--worker", "--out", str(out),
                        "--preset", args.preset, "--buckets", str(args.buckets),
                        "--rounds", str(args.rounds), "--steps", str(steps),
-                       "--width", str(preset["width"]), "--batch", str(preset["batch"]),
+                       "--width", str(args.width), "--batch", str(args.batch),
+                       "--layers", str(args.layers),
                        "--every", str(args.every))  # fmt: skip
         if use_traceml:
             cmd.append("--traceml")

@@ -962,35 +962,44 @@ class StepTracker:
         clock = self.clock
         if -1 in b_end and not force:
             return None
-        device_tokens = [tok for kind, a, b in iv if kind != DATA for tok in (a, b)]
-        device_tokens += b_start
-        device_tokens += [t for t in b_end if t >= 0]
-        device_tokens += [tok for c in colls for tok in (c[5], c[6])]
-        times = clock.resolve(device_tokens, force)
-        if times is None:
-            return None
-        at = dict(zip(device_tokens, times, strict=True))
-        t_start, t_end = clock.host_ns(start), clock.host_ns(end)
+        if self._cpu:
+            # Host clock: every token is its own time, so nothing is resolved and
+            # the intervals are the spans. This runs on the publisher thread every
+            # step, and that thread's Python time is taken from training's GIL.
+            at: Callable[[int], int] = int
+            t_start, t_end = start, end
+            spans = iv
+        else:
+            device_tokens = [tok for kind, a, b in iv if kind != DATA for tok in (a, b)]
+            device_tokens += b_start
+            device_tokens += [t for t in b_end if t >= 0]
+            device_tokens += [tok for c in colls for tok in (c[5], c[6])]
+            times = clock.resolve(device_tokens, force)
+            if times is None:
+                return None
+            at = dict(zip(device_tokens, times, strict=True)).__getitem__
+            t_start, t_end = clock.host_ns(start), clock.host_ns(end)
+            host = clock.host_ns
+            spans = [
+                (kind, host(a), host(b)) if kind == DATA else (kind, at(a), at(b))
+                for kind, a, b in iv
+            ]
         if rec.step >= _RECENT_STEPS:
             self._note_step_time(rec.step, t_end - t_start)
         sums = dict.fromkeys(_PHASE_FIELD.values(), 0)
         data = 0
-        spans: list[tuple[int, int, int]] = []
-        for kind, a, b in iv:
+        for kind, lo, hi in spans:
             if kind == DATA:
-                lo, hi = clock.host_ns(a), clock.host_ns(b)
                 data += hi - lo
             else:
-                lo, hi = at[a], at[b]
                 sums[_PHASE_FIELD[kind]] += hi - lo
-            spans.append((kind, lo, hi))
         # Evaluation between steps falls inside the gap before the next
         # forward; it is not waiting for data, so it moves to "other".
         data = max(0, data - rec.eval_ns)
         sync_wait, coll_wait, data_out = self._collective_waits(colls, at, spans, sums)
         data = max(0, data - data_out)
-        offsets = [at[t] - t_start for t in b_start]
-        durations = [at[e] - at[s] if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
+        offsets = [at(t) - t_start for t in b_start]
+        durations = [at(e) - at(s) if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
         accounted = data + sum(sums.values()) + sync_wait + coll_wait
         fields: dict[str, Any] = {
             "step": rec.step,
@@ -1021,8 +1030,8 @@ class StepTracker:
             fields["c_class"] = ["ddp" if c[0] else "user" for c in listed]
             fields["c_group"] = [c[2] for c in listed]
             fields["c_nbytes"] = [c[3] for c in listed]
-            fields["c_offset_ns"] = [at[c[5]] - t_start for c in listed]
-            fields["c_dur_ns"] = [at[c[6]] - at[c[5]] for c in listed]
+            fields["c_offset_ns"] = [at(c[5]) - t_start for c in listed]
+            fields["c_dur_ns"] = [at(c[6]) - at(c[5]) for c in listed]
             fields["c_site"] = [c[4] for c in listed]
             fields["c_more"] = len(colls) - len(listed) + rec.collectives_lost
         fields.update(sums)
@@ -1031,21 +1040,22 @@ class StepTracker:
     @staticmethod
     def _collective_waits(
         colls: list[Collective],
-        at: dict[int, int],
+        at: Callable[[int], int],
         spans: list[tuple[int, int, int]],
         sums: dict[str, int],
     ) -> tuple[int, int, int]:
         """Sum the waits by class and take each out of the phase it interrupted.
 
         Returns (DDP sync wait, user collective wait, time to take out of
-        data). ``sums`` is changed in place. A collective in no phase was in
-        "other", which is what remains of the step; one inside an evaluation
-        forward is already out of data with the evaluation.
+        data). ``at`` gives a token's time; ``sums`` is changed in place. A
+        collective in no phase was in "other", which is what remains of the
+        step; one inside an evaluation forward is already out of data with the
+        evaluation.
         """
         sync_wait = coll_wait = data_out = 0
         for is_ddp, _op, _group, _nbytes, _site, a, b, in_eval in colls:
-            begin = at[a]
-            dur = max(0, at[b] - begin)
+            begin = at(a)
+            dur = max(0, at(b) - begin)
             if is_ddp:
                 sync_wait += dur
             else:
