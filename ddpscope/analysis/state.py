@@ -70,6 +70,8 @@ class RankView:
     heartbeat: Heartbeat | None = None
     layout: BucketLayout | None = None
     hparams: HParams | None = None
+    #: Model 0's earliest hyperparameters: the learning rate a schedule started from.
+    first_hparams: HParams | None = None
     #: Model 0's fingerprints by step (other models': ``fingerprints_of``).
     fingerprints: dict[int, Fingerprint] = field(default_factory=dict)
     #: Fingerprints of the models attached after the first, by model, then step.
@@ -300,8 +302,11 @@ class RunState:
         return True
 
     def _on_hparams(self, view: RankView, msg: HParams, rx_ns: int) -> bool:
-        if msg.model == 0 and (view.hparams is None or msg.t >= view.hparams.t):
-            view.hparams = msg
+        if msg.model == 0:
+            if view.hparams is None or msg.t >= view.hparams.t:
+                view.hparams = msg
+            if view.first_hparams is None or msg.t < view.first_hparams.t:
+                view.first_hparams = msg
         return True
 
     def _on_fingerprint(self, view: RankView, msg: Fingerprint, rx_ns: int) -> bool:

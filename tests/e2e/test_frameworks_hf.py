@@ -66,7 +66,12 @@ def test_hf_trainer_callback_attaches_without_ddpscope_run(tmp_path: Path, endpo
     doc = report(rec)
     assert serious(doc) == [], brief(serious(doc))
     assert of_kind(doc, "accumulate_without_no_sync") == []
-    assert doc["run"]["training"]["accumulation"] == 2
+    training = doc["run"]["training"]
+    assert training["accumulation"] == 2
+    # The Trainer's default schedule decays lr linearly from learning_rate=1e-3 towards 0:
+    # the run is known by the rate it started with, the header shows where it ended.
+    assert training["lr"] == pytest.approx(1e-3) and 0 <= training["lr_last"] < 1e-3
+    assert " · lr 0.001 → " in training["summary"]
 
 
 def test_accelerate_launch_job_raises_nothing(tmp_path: Path, endpoint: str) -> None:

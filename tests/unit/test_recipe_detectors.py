@@ -145,8 +145,16 @@ def test_older_senders_run_info_reads_with_empty_recipe_fields() -> None:
 
 
 def setup_stream(
-    world: int, size: int, lr: float, *, run: str = RUN, accum: int = 1, script: str = TRAIN
+    world: int,
+    size: int,
+    lr: float,
+    *,
+    run: str = RUN,
+    accum: int = 1,
+    script: str = TRAIN,
+    decayed: float | None = None,
 ) -> list[Message]:
+    """A run's start; with ``decayed``, its scheduler has lowered lr to that by step 3."""
     out: list[Message] = [*run_infos(world, run=run, script=script)]
     out += [batch(r, size, run=run, t=900 * MS) for r in range(world)]
     stepped = lockstep(world, 3, constant(), run=run, heartbeat_every=0)
@@ -154,6 +162,9 @@ def setup_stream(
         dataclasses.replace(m, micro_batches=accum) if isinstance(m, Step) else m for m in stepped
     ]
     out += [hparams(r, 1, run=run, t=last_t(stepped) + r, lr=lr) for r in range(world)]
+    if decayed is not None:
+        t = last_t(out) + MS
+        out += [hparams(r, 3, run=run, t=t + r, lr=decayed) for r in range(world)]
     return out
 
 
@@ -165,6 +176,13 @@ def test_training_setup_multiplies_batch_world_and_accumulation() -> None:
     assert (
         setup.text() == "global batch 128 = 16 per rank x 4 ranks x 2 accumulation steps · lr 0.1"
     )
+
+
+def test_training_setup_keeps_the_starting_lr_and_shows_where_a_schedule_took_it() -> None:
+    setup = training_setup(run_of(feed(Analysis([]), setup_stream(2, 16, 0.1, decayed=0.001))))
+    assert (setup.lr, setup.lr_last) == (0.1, 0.001)
+    assert setup.text() == "global batch 32 = 16 per rank x 2 ranks · lr 0.1 → 0.001"
+    assert setup.to_json()["lr_last"] == 0.001
 
 
 def test_training_setup_estimates_from_the_ranks_it_has_heard() -> None:
@@ -233,6 +251,22 @@ def test_a_primed_previous_run_is_compared_like_one_seen_live() -> None:
     analysis = settled(Analysis([det]), later)
     (f,) = findings(analysis, "global_batch")
     assert "from 2 to 1 ranks" in f.message
+
+
+@pytest.mark.parametrize("decayed", [None, 0.005], ids=["constant-lr", "lr-schedule"])
+def test_the_report_compares_the_starting_lr_of_the_previous_recording(
+    tmp_path: Any, decayed: float | None
+) -> None:
+    # The earlier run's scheduler lowered its lr; the later run, on twice the ranks, starts
+    # at the same lr and is read only up to its first hyperparameters: both start at 0.05.
+    record(tmp_path, setup_stream(2, 32, 0.05, run="a", decayed=decayed), run="a")
+    later = [dataclasses.replace(m, t=m.t + 100 * S) for m in setup_stream(4, 32, 0.05, run="b")]
+    record(tmp_path, [started_at(m, WALL0 + 100 * S) for m in later], run="b")
+    analysis, _, _ = report.analyze(str(tmp_path), run_id="b")
+    (f,) = findings(analysis, "global_batch")
+    assert "stayed 0.05" in f.message
+    assert f.evidence["previous"]["lr"] == 0.05
+    assert f.evidence["previous"]["lr_last"] == (decayed or 0.05)
 
 
 def test_the_report_compares_with_the_previous_recording_of_the_script(tmp_path: Any) -> None:

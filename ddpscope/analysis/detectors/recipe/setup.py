@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpscope.analysis.state import RankView, RunState
+from ddpscope.schema import HParams
 
 #: Steps whose micro-batch counts decide the accumulation factor.
 ACCUM_STEPS = 32
@@ -31,8 +32,11 @@ class TrainingSetup:
     global_batch: int | None
     #: Whether every rank's batch and accumulation were known (else an estimate).
     exact: bool
-    #: Learning rate of optimizer 0, group 0 (lowest rank that reported one).
+    #: Learning rate of optimizer 0, group 0, at the rank's first hyperparameters (lowest
+    #: rank that reported one): what the run was started with, before any schedule moved it.
     lr: float | None
+    #: The same group's learning rate in its newest hyperparameters (a scheduler's last).
+    lr_last: float | None
     #: Distinct learning rates across optimizer 0's parameter groups.
     lr_groups: int
     optimizer: str
@@ -61,7 +65,9 @@ class TrainingSetup:
             parts.append(f"global batch {approx}{self.global_batch} = {how}")
         if self.lr is not None:
             groups = f" (group 0 of {self.lr_groups} rates)" if self.lr_groups > 1 else ""
-            parts.append(f"lr {self.lr:g}{groups}")
+            moved = self.lr_last is not None and self.lr_last != self.lr
+            now = f" → {self.lr_last:g}" if moved else ""
+            parts.append(f"lr {self.lr:g}{now}{groups}")
         return " · ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -72,6 +78,7 @@ class TrainingSetup:
             "global_batch": self.global_batch,
             "exact": self.exact,
             "lr": self.lr,
+            "lr_last": self.lr_last,
             "lr_groups": self.lr_groups,
             "optimizer": self.optimizer,
             "summary": self.text(),
@@ -114,18 +121,29 @@ def _accumulation(view: RankView) -> int | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def _learning_rate(run: RunState) -> tuple[float | None, int, str]:
+def _group_rates(hp: HParams | None) -> tuple[list[float], str]:
+    """Optimizer 0's learning rates by group, and its class name."""
+    if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
+        return [], ""
+    opt = hp.optimizers[0]
+    groups = [g for g in opt.get("groups", []) if isinstance(g, dict)]
+    rates = [float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float))]
+    return rates, str(opt.get("type", "")).rsplit(".", 1)[-1]
+
+
+def _learning_rate(run: RunState) -> tuple[float | None, float | None, int, str]:
+    """(first, newest) lr of optimizer 0's group 0, its distinct group rates, its class.
+
+    The first is what comparisons between runs use: a run read to its end has
+    its scheduler's last rate, one read live its first, and both started alike.
+    """
     for r in sorted(run.ranks):
-        hp = run.ranks[r].hparams
-        if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
-            continue
-        opt = hp.optimizers[0]
-        groups = [g for g in opt.get("groups", []) if isinstance(g, dict)]
-        rates = [g["lr"] for g in groups if isinstance(g.get("lr"), (int, float))]
-        if rates:
-            name = str(opt.get("type", "")).rsplit(".", 1)[-1]
-            return float(rates[0]), len(set(rates)), name
-    return None, 0, ""
+        view = run.ranks[r]
+        last, name = _group_rates(view.hparams)
+        if last:
+            first, _ = _group_rates(view.first_hparams)
+            return (first or last)[0], last[0], len(set(first or last)), name
+    return None, None, 0, ""
 
 
 def training_setup(run: RunState) -> TrainingSetup:
@@ -153,7 +171,7 @@ def training_setup(run: RunState) -> TrainingSetup:
             per = statistics.median_low(list(batches.values()))
             accum = statistics.median_low(list(accums.values())) if accums else 1
             global_batch = int(per * accum * max(1, world))
-    lr, groups, optimizer = _learning_rate(run)
+    lr, lr_last, groups, optimizer = _learning_rate(run)
     return TrainingSetup(
         world_size=world,
         batch_by_rank=batches,
@@ -161,6 +179,7 @@ def training_setup(run: RunState) -> TrainingSetup:
         global_batch=global_batch,
         exact=exact,
         lr=lr,
+        lr_last=lr_last,
         lr_groups=groups,
         optimizer=optimizer,
         script=script,
