@@ -54,6 +54,14 @@ MAX_COLLECTIVES = 64
 MAX_DATAPARALLEL = 16
 
 
+def group_rates(hp: HParams | None) -> list[float]:
+    """The learning rates of the first optimizer's parameter groups, in order."""
+    if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
+        return []
+    groups = [g for g in hp.optimizers[0].get("groups", []) if isinstance(g, dict)]
+    return [float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float))]
+
+
 @dataclass
 class PassView:
     """One DataLoader pass on one rank: its start, and its end once seen."""
@@ -72,6 +80,9 @@ class RankView:
     hparams: HParams | None = None
     #: Model 0's earliest hyperparameters: the learning rate a schedule started from.
     first_hparams: HParams | None = None
+    #: The highest learning rate of model 0's first optimizer group seen so far (a
+    #: warm-up's peak, as sampled every few steps); None before any.
+    lr_peak: float | None = None
     #: Model 0's fingerprints by step (other models': ``fingerprints_of``).
     fingerprints: dict[int, Fingerprint] = field(default_factory=dict)
     #: Fingerprints of the models attached after the first, by model, then step.
@@ -307,6 +318,9 @@ class RunState:
                 view.hparams = msg
             if view.first_hparams is None or msg.t < view.first_hparams.t:
                 view.first_hparams = msg
+            rates = group_rates(msg)
+            if rates and (view.lr_peak is None or rates[0] > view.lr_peak):
+                view.lr_peak = rates[0]
         return True
 
     def _on_fingerprint(self, view: RankView, msg: Fingerprint, rx_ns: int) -> bool:

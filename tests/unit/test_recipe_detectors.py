@@ -153,8 +153,10 @@ def setup_stream(
     accum: int = 1,
     script: str = TRAIN,
     decayed: float | None = None,
+    peak: float | None = None,
 ) -> list[Message]:
-    """A run's start; with ``decayed``, its scheduler has lowered lr to that by step 3."""
+    """A run's start; a warm-up raises lr to ``peak`` by step 2, a schedule lowers it to
+    ``decayed`` by step 3."""
     out: list[Message] = [*run_infos(world, run=run, script=script)]
     out += [batch(r, size, run=run, t=900 * MS) for r in range(world)]
     stepped = lockstep(world, 3, constant(), run=run, heartbeat_every=0)
@@ -162,9 +164,10 @@ def setup_stream(
         dataclasses.replace(m, micro_batches=accum) if isinstance(m, Step) else m for m in stepped
     ]
     out += [hparams(r, 1, run=run, t=last_t(stepped) + r, lr=lr) for r in range(world)]
-    if decayed is not None:
-        t = last_t(out) + MS
-        out += [hparams(r, 3, run=run, t=t + r, lr=decayed) for r in range(world)]
+    for step, rate in ((2, peak), (3, decayed)):
+        if rate is not None:
+            t = last_t(out) + MS
+            out += [hparams(r, step, run=run, t=t + r, lr=rate) for r in range(world)]
     return out
 
 
@@ -183,6 +186,16 @@ def test_training_setup_keeps_the_starting_lr_and_shows_where_a_schedule_took_it
     assert (setup.lr, setup.lr_last) == (0.1, 0.001)
     assert setup.text() == "global batch 32 = 16 per rank x 2 ranks · lr 0.1 → 0.001"
     assert setup.to_json()["lr_last"] == 0.001
+
+
+def test_training_setup_shows_the_peak_a_warm_up_rose_to() -> None:
+    stream = setup_stream(2, 16, 0.01, peak=0.1, decayed=0.001)
+    setup = training_setup(run_of(feed(Analysis([]), stream)))
+    assert (setup.lr, setup.lr_last, setup.lr_peak) == (0.01, 0.001, 0.1)
+    assert setup.text().endswith("· lr 0.01 → 0.001, peak 0.1")
+    # A plain decay peaks where it starts: nothing more to say.
+    decay = training_setup(run_of(feed(Analysis([]), setup_stream(2, 16, 0.1, decayed=0.01))))
+    assert decay.lr_peak == 0.1 and decay.text().endswith("· lr 0.1 → 0.01")
 
 
 def test_training_setup_estimates_from_the_ranks_it_has_heard() -> None:

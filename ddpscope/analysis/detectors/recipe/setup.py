@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.analysis.state import RankView, RunState
+from ddpscope.analysis.state import RankView, RunState, group_rates
 from ddpscope.schema import HParams
 
 #: Steps whose micro-batch counts decide the accumulation factor.
@@ -37,6 +37,9 @@ class TrainingSetup:
     lr: float | None
     #: The same group's learning rate in its newest hyperparameters (a scheduler's last).
     lr_last: float | None
+    #: The highest rate that group had in the hyperparameters seen (a warm-up's peak,
+    #: sampled every 8 steps, so it can read a little under the true peak).
+    lr_peak: float | None
     #: Distinct learning rates across optimizer 0's parameter groups.
     lr_groups: int
     optimizer: str
@@ -67,7 +70,10 @@ class TrainingSetup:
             groups = f" (group 0 of {self.lr_groups} rates)" if self.lr_groups > 1 else ""
             moved = self.lr_last is not None and self.lr_last != self.lr
             now = f" → {self.lr_last:g}" if moved else ""
-            parts.append(f"lr {self.lr:g}{now}{groups}")
+            top, ends = self.lr_peak, max(self.lr, self.lr_last or 0.0)
+            # A warm-up: the rate rose above both ends, and the top is the setting.
+            peak = f", peak {top:g}" if top is not None and top > ends else ""
+            parts.append(f"lr {self.lr:g}{now}{peak}{groups}")
         return " · ".join(parts)
 
     def to_json(self) -> dict[str, Any]:
@@ -79,6 +85,7 @@ class TrainingSetup:
             "exact": self.exact,
             "lr": self.lr,
             "lr_last": self.lr_last,
+            "lr_peak": self.lr_peak,
             "lr_groups": self.lr_groups,
             "optimizer": self.optimizer,
             "summary": self.text(),
@@ -121,29 +128,26 @@ def _accumulation(view: RankView) -> int | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def _group_rates(hp: HParams | None) -> tuple[list[float], str]:
-    """Optimizer 0's learning rates by group, and its class name."""
+def _optimizer_name(hp: HParams | None) -> str:
     if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
-        return [], ""
-    opt = hp.optimizers[0]
-    groups = [g for g in opt.get("groups", []) if isinstance(g, dict)]
-    rates = [float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float))]
-    return rates, str(opt.get("type", "")).rsplit(".", 1)[-1]
+        return ""
+    return str(hp.optimizers[0].get("type", "")).rsplit(".", 1)[-1]
 
 
-def _learning_rate(run: RunState) -> tuple[float | None, float | None, int, str]:
-    """(first, newest) lr of optimizer 0's group 0, its distinct group rates, its class.
+def _learning_rate(run: RunState) -> tuple[float | None, float | None, float | None, int, str]:
+    """(first, newest, highest) lr of optimizer 0's group 0, its distinct group rates, its class.
 
     The first is what comparisons between runs use: a run read to its end has
     its scheduler's last rate, one read live its first, and both started alike.
     """
     for r in sorted(run.ranks):
         view = run.ranks[r]
-        last, name = _group_rates(view.hparams)
+        last = group_rates(view.hparams)
         if last:
-            first, _ = _group_rates(view.first_hparams)
-            return (first or last)[0], last[0], len(set(first or last)), name
-    return None, None, 0, ""
+            first = group_rates(view.first_hparams) or last
+            name = _optimizer_name(view.hparams)
+            return first[0], last[0], view.lr_peak, len(set(first)), name
+    return None, None, None, 0, ""
 
 
 def training_setup(run: RunState) -> TrainingSetup:
@@ -171,7 +175,7 @@ def training_setup(run: RunState) -> TrainingSetup:
             per = statistics.median_low(list(batches.values()))
             accum = statistics.median_low(list(accums.values())) if accums else 1
             global_batch = int(per * accum * max(1, world))
-    lr, lr_last, groups, optimizer = _learning_rate(run)
+    lr, lr_last, lr_peak, groups, optimizer = _learning_rate(run)
     return TrainingSetup(
         world_size=world,
         batch_by_rank=batches,
@@ -180,6 +184,7 @@ def training_setup(run: RunState) -> TrainingSetup:
         exact=exact,
         lr=lr,
         lr_last=lr_last,
+        lr_peak=lr_peak,
         lr_groups=groups,
         optimizer=optimizer,
         script=script,
