@@ -33,6 +33,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=256, help="hidden width (sets step time)")
     p.add_argument("--depth", type=int, default=4, help="hidden layers")
     p.add_argument("--bucket-mb", type=float, default=0.25, help="DDP bucket_cap_mb")
+    p.add_argument(
+        "--bucket-view",
+        action="store_true",
+        help="gradient_as_bucket_view=True, gradients kept between steps (zeroed, not None)",
+    )
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=0, help="DataLoader num_workers")
@@ -204,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         net,
         device_ids=[device] if device is not None else None,
         bucket_cap_mb=args.bucket_mb,
+        gradient_as_bucket_view=args.bucket_view,
     )
     if args.comm_hook == "fp16-before":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -270,7 +276,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 opt.zero_grad()  # what GradScaler does on an inf step: no optimizer.step()
             else:
                 opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=not args.bucket_view)
             if args.loss_allreduce:
                 # Logging the mean loss over ranks, as many scripts do every step.
                 logged = loss.detach().clone()

@@ -63,10 +63,12 @@ class HookState:
         self.inner_state = inner_state
         self.tracker: Any = None
         self.user_registered = False
-        # (process group, its size) while the inner hook is DDP's default
-        # all-reduce: the wrapper then issues it itself, skipping the Python
-        # layers of dist.all_reduce and a second chained Future.
-        self.direct: tuple[Any, int] | None = (inner_state, inner_state.size())
+        # (process group, its size, 1 / size, gradients are bucket views) while
+        # the inner hook is DDP's default all-reduce: the wrapper then issues it
+        # itself, skipping the Python layers of dist.all_reduce and a second
+        # chained Future, and scales the bucket as DDP's C++ path would have.
+        size = inner_state.size()
+        self.direct: tuple[Any, int, float, bool] | None = (inner_state, size, 1.0 / size, False)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # Pickling the DDP model (torch.save(ddp_model)): the copy gets a fresh
@@ -88,6 +90,25 @@ def _first(fut):
     return fut.value()[0]
 
 
+def _scale(tensor, size, inverse, viewed):
+    """Average the bucket the way DDP's C++ path does, to the last bit.
+
+    Without a comm hook the reducer multiplies each gradient by ``1 / size``
+    while copying it into the bucket, or divides the bucket view in place
+    when the gradient already was that view before the backward
+    (``gradient_as_bucket_view`` with gradients kept between steps: the
+    tracker reads that at the forward, ``StepTracker.grads_viewed``; by the
+    time a hook runs every gradient is a view). A Python hook gets the
+    bucket unscaled; dividing it when DDP would have multiplied differs in
+    the last bit for world sizes that are not powers of two, and ddpscope
+    must not change what a run computes.
+    """
+    if viewed:
+        tensor.div_(size)
+    else:
+        tensor.mul_(inverse)
+
+
 def timed_hook(state, bucket):
     tracker = state.tracker
     if tracker is None:
@@ -100,9 +121,9 @@ def timed_hook(state, bucket):
         if direct is not None:
             tensor = bucket.buffer()
             if not tensor.is_complex():
-                group, size = direct
+                group, size, inverse, as_view = direct
                 if size != 1:  # x / 1 is x: a pass over the bucket saved
-                    tensor.div_(size)
+                    _scale(tensor, size, inverse, as_view and tracker.grads_viewed)
                 return group.allreduce([tensor]).get_future().then(_first)
         return state.inner(state.inner_state, bucket)
     began = time.perf_counter_ns()
@@ -113,11 +134,10 @@ def timed_hook(state, bucket):
     if direct is not None:
         tensor = bucket.buffer()
         if not tensor.is_complex():  # dist.all_reduce views complex as real; leave it that
-            group, size = direct
-            # The same arithmetic as default_hooks.allreduce_hook (and DDP's
-            # built-in path): divide, then sum.
+            group, size, inverse, as_view = direct
+            # The same arithmetic as DDP's built-in path: scale, then sum.
             if size != 1:
-                tensor.div_(size)
+                _scale(tensor, size, inverse, as_view and tracker.grads_viewed)
             # What the timing adds, not the launch every path pays (on gloo the
             # launch can take tens of us: it hands the work to another thread).
             launch = time.perf_counter_ns()
@@ -157,6 +177,8 @@ def _route(model: Any, hs: HookState, state: object, hook: Any) -> None:
 def _register(model: Any) -> HookState:
     install_class_shim()  # later registrations on this model are routed by the class
     hs = HookState(default_hooks.allreduce_hook, model.process_group)
+    if hs.direct is not None and getattr(model, "gradient_as_bucket_view", False):
+        hs.direct = (*hs.direct[:3], True)
     _original_register(model, hs, timed_hook)
     model._comm_hooks.pop()  # keep DDP's list to what the user registered
     setattr(model, STATE_ATTR, hs)

@@ -199,7 +199,15 @@ class StepTracker:
         #: by comm.timed_hook), and the last few detailed steps' values.
         self.detail_ns = 0
         self._detail_costs: deque[int] = deque(maxlen=_COST_SAMPLES)
-        self.trainable = {id(p) for p in model.parameters() if p.requires_grad}
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.trainable = {id(p) for p in trainable}
+        #: With ``gradient_as_bucket_view``, one parameter whose gradient each training
+        #: forward looks at: ``grads_viewed`` says whether gradients were kept as views
+        #: of DDP's buckets, which decides how DDP's C++ path would scale them
+        #: (hooks/comm.py averages as it would).
+        as_view = getattr(model, "gradient_as_bucket_view", False) is True
+        self._view_probe = trainable[0] if as_view and trainable else None
+        self.grads_viewed = False
         self._opt_relevant: dict[int, tuple[bool, bool, weakref.ref[Any]]] = {}
         self.optimizers: dict[int, Any] = {}
         # layout of the buckets: generation, {index: nbytes}, param lists
@@ -291,6 +299,9 @@ class StepTracker:
             self.state.enter("eval")
             return
         t = self.stamp()
+        if self._view_probe is not None:
+            grad = self._view_probe.grad
+            self.grads_viewed = grad is not None and grad._is_view()
         open_ = self._open
         if open_:
             self._forward_inside(t)

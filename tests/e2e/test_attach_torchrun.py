@@ -175,15 +175,29 @@ def test_desync_on_one_rank_shows_in_its_fingerprints(tmp_path: Path, endpoint: 
         assert differ == [0]  # only the edited tensor: its gradients are still averaged
 
 
+@pytest.mark.parametrize(
+    ("nproc", "flags", "env"),
+    [
+        (2, [], {}),
+        # ddpscope's comm hook in DDP's place, 3 ranks: x / 3 and x * (1 / 3) differ in the
+        # last bit, so the hook must scale as DDP's C++ path does (it divided: weights differed).
+        (3, [], {"DDPSCOPE_BUCKET_EVERY": "1"}),
+        # Gradients kept as views of the buckets: DDP's C++ path divides those in place.
+        (3, ["--bucket-view", "--accum", "2"], {"DDPSCOPE_BUCKET_EVERY": "1"}),
+    ],
+    ids=["2ranks-defaults", "3ranks-comm-hook", "3ranks-comm-hook-bucket-views"],
+)
 def test_final_weights_are_bit_identical_with_and_without_ddpscope(
-    tmp_path: Path, endpoint: str
+    tmp_path: Path, endpoint: str, nproc: int, flags: list[str], env: dict[str, str]
 ) -> None:
     import torch
 
-    base = ["--epochs", "1", "--save"]
+    base = ["--epochs", "1", *flags, "--save"]
     with_ = tmp_path / "with.pt"
     without = tmp_path / "without.pt"
-    _run(tmp_path / "a", endpoint, *base, str(with_))
+    msgs = _run(tmp_path / "a", endpoint, *base, str(with_), nproc=nproc, **env)
+    if env:
+        assert all(s.b_every > 0 for s in _of(msgs[0], Step)), "the comm hook was not in"
     torchrun(
         [
             str(DEMO),
@@ -194,7 +208,8 @@ def test_final_weights_are_bit_identical_with_and_without_ddpscope(
             "--no-attach",
             *base,
             str(without),
-        ]
+        ],
+        nproc=nproc,
     )
     a, b = torch.load(with_), torch.load(without)
     assert a.keys() == b.keys()
