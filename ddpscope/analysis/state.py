@@ -54,11 +54,16 @@ MAX_COLLECTIVES = 64
 MAX_DATAPARALLEL = 16
 
 
+def first_optimizer(hp: HParams | None) -> dict[str, Any]:
+    """The first optimizer's entry of a hyperparameters message ({} when there is none)."""
+    if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
+        return {}
+    return hp.optimizers[0]
+
+
 def group_rates(hp: HParams | None) -> list[float]:
     """The learning rates of the first optimizer's parameter groups, in order."""
-    if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
-        return []
-    groups = [g for g in hp.optimizers[0].get("groups", []) if isinstance(g, dict)]
+    groups = [g for g in first_optimizer(hp).get("groups", []) if isinstance(g, dict)]
     return [float(g["lr"]) for g in groups if isinstance(g.get("lr"), (int, float))]
 
 

@@ -12,8 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from ddpscope.analysis.state import RankView, RunState, group_rates
-from ddpscope.schema import HParams
+from ddpscope.analysis.state import RankView, RunState, first_optimizer, group_rates
 
 #: Steps whose micro-batch counts decide the accumulation factor.
 ACCUM_STEPS = 32
@@ -128,12 +127,6 @@ def _accumulation(view: RankView) -> int | None:
     return counts.most_common(1)[0][0] if counts else None
 
 
-def _optimizer_name(hp: HParams | None) -> str:
-    if hp is None or not hp.optimizers or not isinstance(hp.optimizers[0], dict):
-        return ""
-    return str(hp.optimizers[0].get("type", "")).rsplit(".", 1)[-1]
-
-
 def _learning_rate(run: RunState) -> tuple[float | None, float | None, float | None, int, str]:
     """(first, newest, highest) lr of optimizer 0's group 0, its distinct group rates, its class.
 
@@ -145,7 +138,7 @@ def _learning_rate(run: RunState) -> tuple[float | None, float | None, float | N
         last = group_rates(view.hparams)
         if last:
             first = group_rates(view.first_hparams) or last
-            name = _optimizer_name(view.hparams)
+            name = str(first_optimizer(view.hparams).get("type", "")).rsplit(".", 1)[-1]
             return first[0], last[0], view.lr_peak, len(set(first)), name
     return None, None, None, 0, ""
 
