@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import bootstrap_ci, paired_ci
+from benchmarks.threadtime import thread_cpu_s
 from benchmarks.torchjob import job_env, torchrun
 from ddpscope.hooks.bucket_cost import DECIDE_AT_STEP
 
@@ -47,16 +48,6 @@ from ddpscope.hooks.bucket_cost import DECIDE_AT_STEP
 #: (40 square layers; the measured step time is reported, not assumed).
 PRESETS = {"5ms": {"width": 96, "batch": 64}, "50ms": {"width": 384, "batch": 128}}
 LAYERS = 40
-
-
-def _thread_cpu_s(thread: threading.Thread) -> float:
-    ident = thread.ident
-    if ident is None:
-        return 0.0
-    try:
-        return time.clock_gettime(time.pthread_getcpuclockid(ident))
-    except (OSError, AttributeError):
-        return 0.0
 
 
 def _tool_threads() -> dict[str, list[threading.Thread]]:
@@ -135,7 +126,7 @@ def worker(args: argparse.Namespace) -> None:
         for _ in range(warm_blocks):
             block(n)
     threads = _tool_threads()
-    cpu0 = {k: sum(_thread_cpu_s(t) for t in v) for k, v in threads.items()}
+    cpu0 = {k: sum(thread_cpu_s(t) for t in v) for k, v in threads.items()}
     proc0 = time.process_time()
     helper0 = _helper_cpu_s(int(os.environ.get("BENCH_HELPER_PID", "0")))
     wall: dict[str, list[float]] = {n: [] for n in names}
@@ -147,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
             wall[n].append(w)
             cpu[n].append(c)
     threads_cpu = {
-        k: sum(_thread_cpu_s(t) for t in v) - cpu0.get(k, 0.0) for k, v in _tool_threads().items()
+        k: sum(thread_cpu_s(t) for t in v) - cpu0.get(k, 0.0) for k, v in _tool_threads().items()
     }
     steps_each = args.rounds * args.steps
     helper = _helper_cpu_s(int(os.environ.get("BENCH_HELPER_PID", "0"))) - helper0

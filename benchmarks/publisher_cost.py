@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
+from benchmarks.threadtime import named_thread_cpu_s
 from benchmarks.worldofone import train_block, world_of_one
 from ddpscope.hooks import publisher, steps
 
@@ -63,13 +63,6 @@ def _instrument() -> None:
     publisher.encode_fields = _timed("encode", publisher.encode_fields)
 
 
-def _thread_cpu(name: str) -> float:
-    for t in threading.enumerate():
-        if t.name == name and t.ident is not None:
-            return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-    return 0.0
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=2000)
@@ -89,10 +82,10 @@ def main() -> None:
         time.sleep(0.3)  # the thread drains the warm-up's steps
         _spent.clear()
         _calls.clear()
-        before = _thread_cpu("ddpscope-publisher")
+        before = named_thread_cpu_s("ddpscope-publisher")
         wall_us, cpu_us = train_block(model, opt, x, args.steps)
         time.sleep(0.3)
-        after = _thread_cpu("ddpscope-publisher")
+        after = named_thread_cpu_s("ddpscope-publisher")
     n = args.steps
     result = {
         "steps": n,
