@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import paired_ci
+from benchmarks.table import print_json
 from benchmarks.torchjob import job_env, torchrun
 
 LAYERS = 40
@@ -139,9 +140,7 @@ def main() -> None:
             "wall_us_per_bucket_over_cpp": wall / LAYERS,
             "wall_ci": [v / LAYERS for v in wall_ci],
         }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.table import print_json
 from benchmarks.torchjob import job_env, torchrun
 
 
@@ -127,9 +128,7 @@ def main() -> None:
         "median_pair_ratio": statistics.median(ratios),
         "ratio_quartiles": statistics.quantiles(ratios, n=4),
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ of them: two adjacent blocks see the same machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
 from benchmarks.stats import bootstrap_ci, slope_ci
+from benchmarks.table import print_json
 from benchmarks.worldofone import train_block, world_of_one
 from ddpscope.hooks import attach as attach_mod
 
@@ -123,9 +122,7 @@ def main() -> None:
             "per_bucket_us": per_bucket,
             "per_bucket_ci_us": per_bucket_ci,
         }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.table import print_json
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demos" / "train.py"
 WARMUP = 3
@@ -86,9 +88,7 @@ def main() -> None:
         "max_ratio": max(ratios),
         "config": vars(args),
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.table import print_json
 from benchmarks.torchjob import job_env, torchrun
 
 
@@ -114,9 +115,7 @@ def main() -> None:
         "ratio_quartiles": statistics.quantiles(ratios, n=4),
         "record": args.record,
     }
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

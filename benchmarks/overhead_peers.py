@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import bootstrap_ci, paired_ci
+from benchmarks.table import print_json
 from benchmarks.threadtime import thread_cpu_s
 from benchmarks.torchjob import job_env, torchrun
 from ddpscope.hooks.bucket_cost import DECIDE_AT_STEP
@@ -326,9 +327,7 @@ def main() -> None:
         )
         result["sides"]["traceml"]["helper_process"] = "traceml serve (aggregator)"
     result["sides"]["ddpscope"]["helper_process_cpu_us_per_step"] = 0.0  # none started
-    print(json.dumps(result, indent=2))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

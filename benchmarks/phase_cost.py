@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.stats import paired_ci
+from benchmarks.table import print_json
 from benchmarks.torchjob import job_env, torchrun
 
 PARTS = ("forward", "backward", "optimizer")
@@ -143,10 +144,7 @@ def main() -> None:
         if done.returncode:
             sys.exit(f"job failed:\n{done.stderr[-4000:]}")
         result = summarize(json.loads(out.read_text()), args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":

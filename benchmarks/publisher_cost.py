@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpscope
+from benchmarks.table import print_json
 from benchmarks.threadtime import named_thread_cpu_s
 from benchmarks.worldofone import train_block, world_of_one
 from ddpscope.hooks import publisher, steps
@@ -96,10 +95,7 @@ def main() -> None:
         "parts_us_per_step": {k: v / n / 1e3 for k, v in _spent.most_common()},
         "calls": dict(_calls),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
+    print_json(result, args.json)
 
 
 if __name__ == "__main__":
