@@ -88,7 +88,7 @@ def assert_launched_quietly(cmd: list[str], endpoint: str, rec: Path, steps_per_
     On one CPU, as every healthy job whose test asserts silence (tests.support.torchrun.
     one_cpu): beside the suite's other jobs one rank's CPU can run slower than the
     other's for a whole short run, and that rank is then rightly a straggler (the
-    accelerate job was named so once in a full run: its own work 63 ms vs 32 ms).
+    accelerate job's rank 0 was named once in a full run: own work 63 ms vs 32 ms).
     """
     proc = subprocess.run(
         [*one_cpu(), *cmd],
