@@ -67,6 +67,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-allreduce", action="store_true", help="all-reduce the loss each step")
     p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
+    p.add_argument(
+        "--join-divide-active",
+        action="store_true",
+        help="--uneven: Join(divide_by_initial_world_size=False), average over ranks not joined",
+    )
     p.add_argument("--no-set-epoch", action="store_true", help="forget sampler.set_epoch()")
     p.add_argument("--unsharded", action="store_true", help="RandomSampler, no sharding")
     p.add_argument("--desync-rank", type=int, default=-1, help="edit this rank's weights")
@@ -226,7 +231,11 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
     step = 0
-    join = Join([model]) if args.uneven and not args.no_join else _null()
+    join = (
+        Join([model], divide_by_initial_world_size=not args.join_divide_active)
+        if args.uneven and not args.no_join
+        else _null()
+    )
     with join:
         step, loss, times = _train(args, rank, model, opt, loss_fn, loader, sampler, device)
     if args.timing:

@@ -390,20 +390,8 @@ class Handle:
         return getattr(self.model, comm.STATE_ATTR, None)
 
     def _hook_buckets(self) -> None:
-        """Register ddpscope's comm hook now: buckets are timed from the next step.
-
-        Not inside ``Join(..., divide_by_initial_world_size=False)``: DDP's C++
-        path then averages over the ranks that have not joined yet, a count no
-        Python hook is given, so the hook would change the gradients.
-        """
+        """Register ddpscope's comm hook now: buckets are timed from the next step."""
         if self.comm is not None or not self.tracker.enabled:
-            return
-        if getattr(self.model, "_divide_by_initial_world_size", True) is False:
-            log.info(
-                "ddpscope: per-bucket all-reduce timing is off: under "
-                "Join(divide_by_initial_world_size=False) only DDP's own path averages "
-                "over the ranks still training"
-            )
             return
         comm.wrap(self.model)
 

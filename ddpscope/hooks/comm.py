@@ -33,6 +33,7 @@ import weakref
 from typing import Any
 
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 log = logging.getLogger("ddpscope")
@@ -41,6 +42,7 @@ STATE_ATTR = "_ddpscope_comm"
 _original_register = DistributedDataParallel.register_comm_hook
 _original_builtin = DistributedDataParallel._register_builtin_comm_hook
 _original_match = DistributedDataParallel._match_all_reduce_for_bwd_pass
+_original_notify = Join.notify_join_context
 
 #: The step tracker of each attached model (weak: a model is never kept alive,
 #: and nothing ddpscope holds lands in a pickled model).
@@ -56,7 +58,15 @@ def _none() -> None:
 class HookState:
     """What the registered wrapper calls into; one per DDP model."""
 
-    __slots__ = ("direct", "inner", "inner_state", "tracker", "user_registered")
+    __slots__ = (
+        "direct",
+        "inner",
+        "inner_state",
+        "join_work",
+        "static",
+        "tracker",
+        "user_registered",
+    )
 
     def __init__(self, inner: Any, inner_state: Any) -> None:
         self.inner = inner
@@ -69,6 +79,41 @@ class HookState:
         # chained Future, and scales the bucket as DDP's C++ path would have.
         size = inner_state.size()
         self.direct: tuple[Any, int, float, bool] | None = (inner_state, size, 1.0 / size, False)
+        #: ``direct`` over the whole group; ``direct`` itself counts only the
+        #: ranks still training inside Join(divide_by_initial_world_size=False).
+        self.static = self.direct
+        #: That Join's all-reduce counting them, until the backward reads it.
+        self.join_work: Any = None
+
+    def views_kept(self) -> None:
+        """Gradients are views of the buckets (``gradient_as_bucket_view``)."""
+        if self.direct is not None:
+            self.direct = self.static = (*self.direct[:3], True)
+
+    def joined(self, work: Any, divide_by_world: bool) -> None:
+        """A training forward told Join it has not joined (once per forward).
+
+        With ``divide_by_initial_world_size=False`` DDP's C++ path averages
+        over the ranks that have not joined: the sum of ``work`` (one per such
+        rank), which the reducer waits for at the first gradient of the
+        backward. The hook, standing in for that path, reads the same count.
+        """
+        if self.direct is None:
+            return
+        if work is None or divide_by_world:
+            self.join_work = None
+            self.direct = self.static
+        else:
+            self.join_work = work
+
+    def count_active(self) -> tuple[Any, int, float, bool]:
+        """Scale by the ranks still training (the first bucket after ``joined``)."""
+        work, self.join_work = self.join_work, None
+        work.wait()  # DDP's reducer has waited for it already, at the first gradient
+        active = int(work.get_future().value()[0].item())
+        group, _, _, as_view = self.static
+        self.direct = (group, active, 1.0 / active, as_view)
+        return self.direct
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         # Pickling the DDP model (torch.save(ddp_model)): the copy gets a fresh
@@ -114,6 +159,8 @@ def timed_hook(state, bucket):
     if tracker is None:
         return state.inner(state.inner_state, bucket)
     direct = state.direct
+    if state.join_work is not None:
+        direct = state.count_active()
     if tracker.cheap:
         # A step between samples: what the heartbeat needs (the bucket a hang
         # is stuck at), then the all-reduce alone.
@@ -177,8 +224,8 @@ def _route(model: Any, hs: HookState, state: object, hook: Any) -> None:
 def _register(model: Any) -> HookState:
     install_class_shim()  # later registrations on this model are routed by the class
     hs = HookState(default_hooks.allreduce_hook, model.process_group)
-    if hs.direct is not None and getattr(model, "gradient_as_bucket_view", False):
-        hs.direct = (*hs.direct[:3], True)
+    if getattr(model, "gradient_as_bucket_view", False):
+        hs.views_kept()
     _original_register(model, hs, timed_hook)
     model._comm_hooks.pop()  # keep DDP's list to what the user registered
     setattr(model, STATE_ATTR, hs)
@@ -250,7 +297,20 @@ def _class_match(self: Any) -> Any:
     tracker = _trackers.get(self)
     if tracker is not None:
         tracker.join_pass()
+    hs = self.__dict__.get(STATE_ATTR)
+    if hs is not None:
+        hs.joined(None, True)  # its buckets are zeros: no count to wait for
     return _original_match(self)
+
+
+def _class_notify(joinable: Any) -> Any:
+    # Join's per-forward all-reduce counting the ranks not yet joined, which
+    # DDP's reducer divides by under divide_by_initial_world_size=False.
+    work = _original_notify(joinable)
+    hs = getattr(joinable, "__dict__", {}).get(STATE_ATTR)
+    if hs is not None:
+        hs.joined(work, getattr(joinable, "_divide_by_initial_world_size", True))
+    return work
 
 
 def install_class_shim() -> None:
@@ -261,10 +321,31 @@ def install_class_shim() -> None:
         DistributedDataParallel._match_all_reduce_for_bwd_pass = _class_match  # type: ignore[method-assign]
 
 
+def count_active_ranks() -> None:
+    """Let wrapped hooks read Join's count of the ranks still training (idempotent).
+
+    Installed only once a model trains inside ``Join(...,
+    divide_by_initial_world_size=False)``, the one case that needs it: every
+    DDP forward calls ``Join.notify_join_context``, and a compiled model's
+    would trace this shim as frames of its own.
+    """
+    if Join.notify_join_context is not _class_notify:
+        Join.notify_join_context = staticmethod(_class_notify)  # type: ignore[method-assign]
+
+
 def uninstall_class_shim() -> None:
     DistributedDataParallel.register_comm_hook = _original_register  # type: ignore[method-assign]
     DistributedDataParallel._register_builtin_comm_hook = _original_builtin  # type: ignore[method-assign]
     DistributedDataParallel._match_all_reduce_for_bwd_pass = _original_match  # type: ignore[method-assign]
+    Join.notify_join_context = staticmethod(_original_notify)  # type: ignore[method-assign]
 
 
-__all__ = ["HookState", "install_class_shim", "link", "timed_hook", "uninstall_class_shim", "wrap"]
+__all__ = [
+    "HookState",
+    "count_active_ranks",
+    "install_class_shim",
+    "link",
+    "timed_hook",
+    "uninstall_class_shim",
+    "wrap",
+]

@@ -62,6 +62,7 @@ from typing import Any, Protocol
 import torch
 
 from ddpscope.hooks import backward as backward_calls
+from ddpscope.hooks import comm
 from ddpscope.hooks.clocks import Clock
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.records import Collective, Interval, StepRecord
@@ -320,6 +321,8 @@ class StepTracker:
         join_config = getattr(module, "_join_config", None)
         if join_config is not None and join_config.enable:
             self._join = True
+            if getattr(module, "_divide_by_initial_world_size", True) is False:
+                comm.count_active_ranks()
         self._fwd += 1
         # From here a backward() call may be this model's: Lightning's manual
         # optimization calls it inside the forward.

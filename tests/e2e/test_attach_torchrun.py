@@ -184,8 +184,16 @@ def test_desync_on_one_rank_shows_in_its_fingerprints(tmp_path: Path, endpoint: 
         (3, [], {"DDPSCOPE_BUCKET_EVERY": "1"}),
         # Gradients kept as views of the buckets: DDP's C++ path divides those in place.
         (3, ["--bucket-view", "--accum", "2"], {"DDPSCOPE_BUCKET_EVERY": "1"}),
+        # Join(divide_by_initial_world_size=False) entered after the hook was registered:
+        # DDP averages over the ranks not yet joined (rank 0 joins halfway), the hook too.
+        (3, ["--uneven", "--join-divide-active"], {"DDPSCOPE_BUCKET_EVERY": "1"}),
     ],
-    ids=["2ranks-defaults", "3ranks-comm-hook", "3ranks-comm-hook-bucket-views"],
+    ids=[
+        "2ranks-defaults",
+        "3ranks-comm-hook",
+        "3ranks-comm-hook-bucket-views",
+        "3ranks-comm-hook-join-divide-active",
+    ],
 )
 def test_final_weights_are_bit_identical_with_and_without_ddpscope(
     tmp_path: Path, endpoint: str, nproc: int, flags: list[str], env: dict[str, str]

@@ -156,17 +156,6 @@ def test_long_steps_get_the_comm_hook_and_every_step_timed_after_the_first_measu
     assert {s.b_every for s in got if s.step <= decided} == {0}
 
 
-def test_no_comm_hook_where_join_averages_over_the_ranks_still_training(rank: Path) -> None:
-    model = _model(layers=2)
-    # What Join([model], divide_by_initial_world_size=False) sets: DDP's C++ path divides
-    # by the ranks not yet joined, which a comm hook is never told.
-    model._divide_by_initial_world_size = False
-    handle = ddpscope.attach(model, record=str(rank / "rec"))
-    _train(model, 13, pause_s=0.15)  # steps that would get the hook (the test above)
-    handle.close()
-    assert handle.comm is None and not hasattr(model, comm.STATE_ATTR)
-
-
 def test_bucket_detail_is_spaced_out_when_its_bookkeeping_is_a_large_share_of_the_step(
     rank: Path,
 ) -> None:
