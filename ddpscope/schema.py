@@ -74,6 +74,8 @@ PHASES = (
     "collective",
     "optimizer",
     "eval",
+    #: Inside torch.save on the training thread (a checkpoint being written).
+    "save",
     "join",
     "exited",
 )

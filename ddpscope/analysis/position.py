@@ -131,6 +131,7 @@ _OWN_PHASES = {
     "optimizer": "in optimizer.step()",
     "idle": "between steps (in its own code, outside forward/backward/optimizer)",
     "eval": "evaluating (a forward without grad)",
+    "save": "saving a checkpoint (in torch.save)",
 }
 
 

@@ -83,6 +83,10 @@ class Sink(Protocol):
         self, begun: tuple[int, str], op: str, cls: str, group: str, nbytes: int, site: str
     ) -> None: ...
 
+    def phase_begin(self, phase: str) -> str | None: ...
+
+    def phase_end(self, prev: str) -> None: ...
+
 
 def tensor_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Bytes of the tensors a collective was handed (first level and lists); -1 if none."""
@@ -212,6 +216,35 @@ class CollectiveTimer:
             return orig(work, *args, **kw)
         _, op, group, nbytes, site = entry
         return self._blocking(self.sink, orig, (work, *args), kw, op, "user", group, nbytes, site)
+
+    # --- torch.save ------------------------------------------------------------
+
+    def save(self, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any:
+        """A checkpoint written on the training thread: its heartbeats say "save".
+
+        Ranks waiting in a barrier for a rank that writes a checkpoint are not
+        hung (analysis/detectors/hang.py); without this phase the writer read
+        as "data", stuck between steps.
+        """
+        if not self._active():
+            return orig(*args, **kwargs)
+        sink = self.sink
+        try:
+            prev = sink.phase_begin("save")
+        except Exception as exc:
+            self.disable(exc)
+            prev = None
+        if prev is None:
+            return orig(*args, **kwargs)
+        self.depth = 1
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            self.depth = 0
+            try:
+                sink.phase_end(prev)
+            except Exception as exc:
+                self.disable(exc)
 
     # --- DDP's buffer broadcast ------------------------------------------------
 

@@ -626,6 +626,8 @@ class CollectiveTiming(Protocol):
         group_at: int | None,
     ) -> Any: ...
 
+    def save(self, orig: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> Any: ...
+
 
 #: Set by ddpscope.hooks.collectives while a rank times its collectives.
 _timing: CollectiveTiming | None = None
@@ -663,6 +665,9 @@ def _save_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         probe = _active
         if probe is not None:
             probe.on_save(obj, f, sys._getframe(1))
+        timing = _timing
+        if timing is not None:
+            return timing.save(orig, (obj, f, *args), kwargs)
         return orig(obj, f, *args, **kwargs)
 
     return save

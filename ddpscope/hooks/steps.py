@@ -648,6 +648,18 @@ class StepTracker:
 
     # --- other collectives (called by hooks/collectives.py) ------------------
 
+    def phase_begin(self, phase: str) -> str | None:
+        """The training thread entered work the heartbeat names (``torch.save``)."""
+        if not self.enabled:
+            return None
+        st = self.state
+        prev = st.phase
+        st.enter(phase)
+        return prev
+
+    def phase_end(self, prev: str) -> None:
+        self.state.enter(prev)
+
     def collective_begin(self, op: str, cls: str, site: str) -> tuple[int, str] | None:
         if not self.enabled:
             return None

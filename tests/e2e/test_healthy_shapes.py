@@ -7,8 +7,9 @@ forwards where the usual loop has none: ZeroRedundancyOptimizer broadcasts
 inside ``optimizer.step()``, a siamese loss runs two forwards before one
 backward (``static_graph``), ``find_unused_parameters`` with a head used every
 other step, a GAN's two DDP models and optimizers, rank 0 saving a checkpoint
-behind a barrier, and BatchNorm with ``broadcast_buffers=False``, whose
-running statistics differ across ranks by design (info, not a desync).
+behind a barrier (the first to slow storage: 7 s in ``torch.save``, a wait, not
+a hang), and BatchNorm with ``broadcast_buffers=False``, whose running
+statistics differ across ranks by design (info, not a desync).
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ STEPS = EPOCHS * 2048 // 32 // 2
 def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     rec = tmp_path / "rec"
     env = job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
+    # The first checkpoint to slow storage: 7 s in torch.save while the other rank waits
+    # in the barrier, beyond the 5 s without a step after which steps this short hang.
+    extra = ["--slow-save-s", "7"] if shape == "save" else []
     # On one CPU: the ranks share what it gives (tests.support.torchrun.one_cpu).
     torchrun(
-        [JOB, "--shape", shape, "--epochs", str(EPOCHS)], env=env, timeout=240, prefix=one_cpu()
+        [JOB, "--shape", shape, "--epochs", str(EPOCHS), *extra],
+        env=env,
+        timeout=240,
+        prefix=one_cpu(),
     )
     return rec
 

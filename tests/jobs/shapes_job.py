@@ -14,7 +14,8 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
 - ``gan``: two DDP models, a generator and a discriminator, each with its own
   optimizer, stepped one after the other;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
-  tutorials show.
+  tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
+  it writes, as on slow network storage, while the other rank waits in the barrier.
 
 Each rank attaches ddpscope (recording to ``DDPSCOPE_RECORD``) and prints
 "done: RANK" when its loop is over.
@@ -23,8 +24,10 @@ Each rank attaches ddpscope (recording to ``DDPSCOPE_RECORD``) and prints
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,20 @@ class TwoHeads(nn.Module):
         return self.a(h) + self.b(h) if use_b else self.a(h)
 
 
+class SlowFile(io.FileIO):
+    """A file on slow storage: its first write waits ``delay_s``."""
+
+    def __init__(self, path: str, delay_s: float) -> None:
+        super().__init__(path, "w")
+        self.delay_s = delay_s
+
+    def write(self, b: bytes) -> int:  # type: ignore[override]
+        if self.delay_s:
+            time.sleep(self.delay_s)
+            self.delay_s = 0.0
+        return super().write(b)
+
+
 def mlp(width: int = 128) -> nn.Module:
     return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, 4))  # fmt: skip
@@ -69,6 +86,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--slow-save-s", type=float, default=0.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -134,7 +152,8 @@ def main() -> None:
             steps += 1
             if args.shape == "save" and steps % 20 == 0:
                 if rank == 0:
-                    torch.save(model.module.state_dict(), ckpt)
+                    with SlowFile(ckpt, args.slow_save_s if steps == 20 else 0.0) as f:
+                        torch.save(model.module.state_dict(), f)
                 dist.barrier()
     if os.path.exists(ckpt):
         os.remove(ckpt)

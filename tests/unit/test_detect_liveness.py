@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ddpscope.analysis.build import end_of_stream
-from ddpscope.analysis.detectors.hang import HANG_COLD_S, HangDetector
+from ddpscope.analysis.detectors.hang import HANG_COLD_S, HANG_SAVE_S, HangDetector
 from ddpscope.analysis.detectors.rank_exit import RankExitDetector
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis
@@ -353,6 +353,32 @@ def test_a_final_checkpoint_while_the_others_wait_in_a_barrier_ends_as_info() ->
     assert "every rank finished normally" in f.message
     assert f.evidence["resolved"] == "finished normally"
     assert "rank_exit" not in found
+
+
+def test_a_checkpoint_written_mid_run_while_the_other_waits_in_a_barrier_is_no_hang() -> None:
+    # Rank 0 in torch.save for 20 s at step 20 (slow storage), rank 1 in the barrier
+    # after it; then training goes on. With ~8 ms steps the limit is 5 s.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("save", 20), 1: ("collective", 20)}, t, 20, colls={1: BARRIER})
+    assert "hang" not in kinds(analyze(msgs))
+    t_back = t + 20 * S + 5 * MS
+    msgs += [step_at(0, 20, t_back), step_at(1, 20, t_back + MS)]
+    assert "hang" not in kinds(analyze(msgs))
+
+
+def test_a_checkpoint_write_that_never_returns_is_a_hang_naming_the_save() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    long = HANG_SAVE_S + 10
+    msgs += stuck(
+        {0: ("save", 20), 1: ("collective", 20)}, t, long, every=10 * S, colls={1: BARRIER}
+    )
+    before = [m for m in msgs if m.t <= t + int((HANG_SAVE_S - 10) * S)]
+    assert "hang" not in kinds(analyze(before))
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.severity == "error" and f.ranks == [0]
+    assert "rank 0 is behind, saving a checkpoint (in torch.save)" in f.message
 
 
 def test_a_normal_exit_that_leaves_another_rank_waiting_is_still_a_rank_exit() -> None:

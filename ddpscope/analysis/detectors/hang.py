@@ -11,7 +11,11 @@ Hang rule, checked on every tick; all four must hold:
 2. Every live rank (no End, heard from within the silence limit) has been in
    its current phase for at least T. A rank whose phase keeps changing (an
    evaluation loop alternates ``eval`` and ``idle``; a data loader between
-   batches) is doing work of its own and will come back: no hang.
+   batches) is doing work of its own and will come back: no hang. A rank
+   inside ``torch.save`` (phase ``save``) is writing a checkpoint while the
+   others wait in a barrier, as tutorials show: it is given max(T, 300 s)
+   (``HANG_SAVE_S``), since a large checkpoint to network storage takes
+   minutes, and only a save that never returns is a hang.
 3. At least one live rank is blocked in a collective (``schema.WAITING_PHASES``):
    the gradient all-reduce (``allreduce``), any other collective
    (``collective``: DDP's buffer broadcast at the start of a forward, the
@@ -77,6 +81,9 @@ from ddpscope.schema import Heartbeat, Message, Step
 HANG_MIN_S = 5.0
 HANG_MAX_S = 300.0
 HANG_COLD_S = 60.0
+#: The least a rank writing a checkpoint (phase "save") is given before the others'
+#: wait for it is a hang: large checkpoints to network storage take minutes.
+HANG_SAVE_S = 300.0
 HANG_MEDIAN_FACTOR = 10.0
 HANG_LONGEST_FACTOR = 2.0
 #: Steps before this index are warm-up (bucket rebuild, compilation) for "longest step".
@@ -226,7 +233,8 @@ class HangDetector:
             live.append(w)
         if not live or not any(w.waiting and not w.setup_barrier for w in live):
             return None
-        if any(w.in_phase_s < limit for w in live):
+        save_limit = max(limit, HANG_SAVE_S)
+        if any(w.in_phase_s < (save_limit if w.phase == "save" else limit) for w in live):
             return None
         return self._behind(live, dark), live, dark
 
