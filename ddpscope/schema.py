@@ -267,6 +267,10 @@ class Heartbeat(Message):
     coll_op: str = ""
     coll_class: str = ""
     coll_site: str = ""
+    #: The training thread's time on a CPU plus time waiting for one, ns since it
+    #: started (schedstat); -1 where not known. It grows while the thread computes
+    #: and stays flat while it is blocked (asleep, in I/O, on a lock).
+    runnable_ns: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

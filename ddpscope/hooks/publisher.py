@@ -370,6 +370,9 @@ class Publisher:
             fields["coll_op"] = st.coll_op
             fields["coll_class"] = st.coll_class
             fields["coll_site"] = st.coll_site
+        runnable = self._run_queue.runnable()
+        if runnable >= 0:
+            fields["runnable_ns"] = runnable
         fields.update(self._host.sample())
         self._emit(Heartbeat.KIND, 0, fields, record=True)
         # Any phase can hang, user code ("idle") included: a rank asleep there

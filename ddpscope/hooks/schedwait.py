@@ -64,6 +64,22 @@ class RunQueueWait:
             self.close()
             return -1
 
+    def runnable(self) -> int:
+        """Time on a CPU plus time waiting for one, ns so far; -1 when unknown.
+
+        What the thread spent not blocked: it grows by ~1 s a second while the
+        thread computes (on a busy host too), and stays flat while it sleeps,
+        waits on I/O or a lock (a stuck rank). Read on heartbeats only.
+        """
+        if self._fd < 0:
+            return -1
+        try:
+            on_cpu, waiting, _ = parse_schedstat(os.pread(self._fd, _READ, 0))
+        except (OSError, ValueError):
+            self.close()
+            return -1
+        return on_cpu + waiting
+
     def sample(self, now_ns: int) -> None:
         """Take a reading at ``now_ns`` (monotonic); at() interpolates between the last two."""
         value = self.read()

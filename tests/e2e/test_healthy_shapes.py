@@ -7,9 +7,10 @@ forwards where the usual loop has none: ZeroRedundancyOptimizer broadcasts
 inside ``optimizer.step()``, a siamese loss runs two forwards before one
 backward (``static_graph``), ``find_unused_parameters`` with a head used every
 other step, a GAN's two DDP models and optimizers, rank 0 saving a checkpoint
-behind a barrier (the first to slow storage: 7 s in ``torch.save``, a wait, not
-a hang), and BatchNorm with ``broadcast_buffers=False``, whose running
-statistics differ across ranks by design (info, not a desync).
+behind a barrier (the first to slow storage: 7 s in ``torch.save``) or
+evaluating alone for 7 s (waits, not hangs), and BatchNorm with
+``broadcast_buffers=False``, whose running statistics differ across ranks by
+design (info, not a desync).
 """
 
 from __future__ import annotations
@@ -31,15 +32,20 @@ EPOCHS = 2
 STEPS = EPOCHS * 2048 // 32 // 2
 
 
+#: Rank 0's own work while the other rank waits in a barrier, beyond the 5 s without a
+#: step after which steps this short hang: a first checkpoint to slow storage (7 s in
+#: torch.save), or an evaluation alone (7 s on a CPU). One per job: after the first
+#: such step the hang limit is twice its length.
+OWN_WORK = {"save": ["--slow-save-s", "7"], "save-eval": ["--eval-s", "7"]}
+
+
 def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     rec = tmp_path / "rec"
     env = job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
-    # The first checkpoint to slow storage: 7 s in torch.save while the other rank waits
-    # in the barrier, beyond the 5 s without a step after which steps this short hang.
-    extra = ["--slow-save-s", "7"] if shape == "save" else []
+    extra = OWN_WORK.get(shape, [])
     # On one CPU: the ranks share what it gives (tests.support.torchrun.one_cpu).
     torchrun(
-        [JOB, "--shape", shape, "--epochs", str(EPOCHS), *extra],
+        [JOB, "--shape", shape.split("-")[0], "--epochs", str(EPOCHS), *extra],
         env=env,
         timeout=240,
         prefix=one_cpu(),
@@ -47,7 +53,7 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     return rec
 
 
-@pytest.mark.parametrize("shape", ["zero", "twice", "unused", "gan", "save", "bufs"])
+@pytest.mark.parametrize("shape", ["zero", "twice", "unused", "gan", "save", "save-eval", "bufs"])
 def test_a_healthy_job_of_this_shape_raises_nothing(
     tmp_path: Path, endpoint: str, shape: str
 ) -> None:

@@ -15,7 +15,9 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   optimizer, stepped one after the other;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
-  it writes, as on slow network storage, while the other rank waits in the barrier.
+  it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
+  evaluates ``model.module`` alone for S seconds at step 30; the other rank waits
+  in the barrier each time.
 
 Each rank attaches ddpscope (recording to ``DDPSCOPE_RECORD``) and prints
 "done: RANK" when its loop is over.
@@ -67,6 +69,16 @@ class SlowFile(io.FileIO):
         return super().write(b)
 
 
+def evaluate_alone(net: nn.Module, x: torch.Tensor, seconds: float) -> None:
+    """Rank 0's validation pass on the unwrapped model: CPU-bound, no collective."""
+    net.eval()
+    deadline = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < deadline:
+            net(x)
+    net.train()
+
+
 def mlp(width: int = 128) -> nn.Module:
     return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, 4))  # fmt: skip
@@ -87,6 +99,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--slow-save-s", type=float, default=0.0)
+    p.add_argument("--eval-s", type=float, default=0.0)
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -154,6 +167,10 @@ def main() -> None:
                 if rank == 0:
                     with SlowFile(ckpt, args.slow_save_s if steps == 20 else 0.0) as f:
                         torch.save(model.module.state_dict(), f)
+                dist.barrier()
+            if args.shape == "save" and steps == 30 and args.eval_s:
+                if rank == 0:
+                    evaluate_alone(model.module, xb, args.eval_s)
                 dist.barrier()
     if os.path.exists(ckpt):
         os.remove(ckpt)

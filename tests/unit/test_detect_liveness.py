@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from ddpscope.analysis.build import end_of_stream
-from ddpscope.analysis.detectors.hang import HANG_COLD_S, HANG_SAVE_S, HangDetector
+from ddpscope.analysis.detectors.hang import HANG_COLD_S, HANG_OWN_WORK_S, HangDetector
 from ddpscope.analysis.detectors.rank_exit import RankExitDetector
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis
@@ -68,14 +68,18 @@ def stuck(
     bucket: int = 3,
     every: int = S,
     colls: dict[int, tuple[str, str, str]] | None = None,
+    runnable: dict[int, float] | None = None,
 ) -> list[Message]:
     """Heartbeats of ranks stuck from ``start`` on: rank -> (phase, step count); ranks in
-    phase "collective" say which one in ``colls``: rank -> (op, class, site)."""
+    phase "collective" say which one in ``colls``: rank -> (op, class, site); ranks in
+    ``runnable`` send their training thread's runnable time, growing at that share."""
     out: list[Message] = []
     t = start + every
     while t <= start + int(seconds * S):
         for r, (phase, step) in phases.items():
             op, cls, site = (colls or {}).get(r, ("", "", ""))
+            share = (runnable or {}).get(r)
+            extra = {} if share is None else {"runnable_ns": S + int(share * (t - start))}
             out.append(
                 heartbeat(
                     r,
@@ -87,6 +91,7 @@ def stuck(
                     coll_op=op,
                     coll_class=cls,
                     coll_site=site,
+                    **extra,
                 )
             )
         t += every
@@ -370,15 +375,65 @@ def test_a_checkpoint_written_mid_run_while_the_other_waits_in_a_barrier_is_no_h
 def test_a_checkpoint_write_that_never_returns_is_a_hang_naming_the_save() -> None:
     msgs = run_steps(steps=20)
     t = end_of(msgs)
-    long = HANG_SAVE_S + 10
+    long = HANG_OWN_WORK_S + 10
     msgs += stuck(
         {0: ("save", 20), 1: ("collective", 20)}, t, long, every=10 * S, colls={1: BARRIER}
     )
-    before = [m for m in msgs if m.t <= t + int((HANG_SAVE_S - 10) * S)]
+    before = [m for m in msgs if m.t <= t + int((HANG_OWN_WORK_S - 10) * S)]
     assert "hang" not in kinds(analyze(before))
     (f,) = kinds(analyze(msgs))["hang"]
     assert f.severity == "error" and f.ranks == [0]
     assert "rank 0 is behind, saving a checkpoint (in torch.save)" in f.message
+
+
+def test_a_rank_computing_alone_while_the_other_waits_in_a_barrier_is_no_hang() -> None:
+    # Rank 0 evaluates model.module by itself for 20 s after step 20 (its phase stays
+    # "data": no DDP forward), its training thread on a CPU 95% of the time; rank 1
+    # waits in the barrier after the evaluation. Then training goes on.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck(
+        {0: ("data", 20), 1: ("collective", 20)},
+        t,
+        20,
+        colls={1: BARRIER},
+        runnable={0: 0.95, 1: 0.0},
+    )
+    assert "hang" not in kinds(analyze(msgs))
+    t_back = t + 20 * S + 5 * MS
+    msgs += [step_at(0, 20, t_back), step_at(1, 20, t_back + MS)]
+    assert "hang" not in kinds(analyze(msgs))
+
+
+@pytest.mark.parametrize("share", [0.0, 0.2])
+def test_a_rank_blocked_in_its_own_code_while_the_other_waits_is_a_hang(share: float) -> None:
+    # The same wait, rank 0 asleep or blocked on I/O or a lock most of the time.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck(
+        {0: ("data", 20), 1: ("collective", 20)},
+        t,
+        8,
+        colls={1: BARRIER},
+        runnable={0: share, 1: 0.0},
+    )
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0] and f.severity == "error"
+
+
+def test_a_rank_computing_past_the_own_work_limit_is_a_hang() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck(
+        {0: ("idle", 20), 1: ("collective", 20)},
+        t,
+        HANG_OWN_WORK_S + 10,
+        every=10 * S,
+        colls={1: BARRIER},
+        runnable={0: 1.0},
+    )
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0] and f.evidence["stalled_s"] >= HANG_OWN_WORK_S
 
 
 def test_a_normal_exit_that_leaves_another_rank_waiting_is_still_a_rank_exit() -> None:

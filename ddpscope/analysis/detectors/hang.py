@@ -14,8 +14,12 @@ Hang rule, checked on every tick; all four must hold:
    batches) is doing work of its own and will come back: no hang. A rank
    inside ``torch.save`` (phase ``save``) is writing a checkpoint while the
    others wait in a barrier, as tutorials show: it is given max(T, 300 s)
-   (``HANG_SAVE_S``), since a large checkpoint to network storage takes
-   minutes, and only a save that never returns is a hang.
+   (``HANG_OWN_WORK_S``), since a large checkpoint to network storage takes
+   minutes, and only a save that never returns is a hang. So is a rank
+   outside every collective whose training thread was runnable (on a CPU or
+   waiting for one: ``Heartbeat.runnable_ns``) at least half of its last
+   heartbeat interval: it computes (an evaluation on rank 0 alone behind a
+   barrier), where a stuck rank sleeps, waits on I/O or on a lock.
 3. At least one live rank is blocked in a collective (``schema.WAITING_PHASES``):
    the gradient all-reduce (``allreduce``), any other collective
    (``collective``: DDP's buffer broadcast at the start of a forward, the
@@ -81,9 +85,13 @@ from ddpscope.schema import Heartbeat, Message, Step
 HANG_MIN_S = 5.0
 HANG_MAX_S = 300.0
 HANG_COLD_S = 60.0
-#: The least a rank writing a checkpoint (phase "save") is given before the others'
-#: wait for it is a hang: large checkpoints to network storage take minutes.
-HANG_SAVE_S = 300.0
+#: The least a rank doing work of its own while the others wait is given before
+#: their wait is a hang: writing a checkpoint (phase "save"; large ones to network
+#: storage take minutes), or computing (an evaluation on rank 0 alone).
+HANG_OWN_WORK_S = 300.0
+#: Share of the last heartbeat interval a rank's training thread was runnable (on a
+#: CPU or waiting for one) from which it counts as computing, not stuck.
+BUSY_SHARE = 0.5
 HANG_MEDIAN_FACTOR = 10.0
 HANG_LONGEST_FACTOR = 2.0
 #: Steps before this index are warm-up (bucket rebuild, compilation) for "longest step".
@@ -99,6 +107,10 @@ class _HangRun:
     longest_ns: int = 0
     warm_shortest_ns: int = -1
     hb_rx: dict[int, int] = field(default_factory=dict)
+    #: Per rank: (sender time, runnable ns) of its last heartbeat that had them, and
+    #: the share of the interval before it that its training thread was runnable.
+    runnable: dict[int, tuple[int, int]] = field(default_factory=dict)
+    busy: dict[int, float] = field(default_factory=dict)
     total: int = -1
     progress_ns: int = 0
     episodes: int = 0
@@ -147,9 +159,13 @@ class HangDetector:
             if dur > st.longest_ns:
                 st.longest_ns = dur
         elif kind is Heartbeat:
+            assert isinstance(msg, Heartbeat)
             view = run.ranks.get(msg.rank)
             if view is not None and view.heartbeat is msg:
-                self._state(run).hb_rx[msg.rank] = view.last_rx_ns
+                st = self._state(run)
+                st.hb_rx[msg.rank] = view.last_rx_ns
+                if msg.runnable_ns >= 0:
+                    _note_busy(st, msg.rank, msg.t, msg.runnable_ns)
 
     def threshold(self, run: RunState) -> tuple[float, str]:
         """Seconds without progress that make a hang, and how that figure was chosen."""
@@ -233,9 +249,13 @@ class HangDetector:
             live.append(w)
         if not live or not any(w.waiting and not w.setup_barrier for w in live):
             return None
-        save_limit = max(limit, HANG_SAVE_S)
-        if any(w.in_phase_s < (save_limit if w.phase == "save" else limit) for w in live):
-            return None
+        own = max(limit, HANG_OWN_WORK_S)
+        for w in live:
+            working = w.phase == "save" or (
+                not w.waiting and st.busy.get(w.rank, 0.0) >= BUSY_SHARE
+            )
+            if w.in_phase_s < (own if working else limit):
+                return None
         return self._behind(live, dark), live, dark
 
     @staticmethod
@@ -475,3 +495,11 @@ def _hang_fix(
         "TORCH_DISTRIBUTED_DEBUG=DETAIL checks that ranks call collectives in the same order."
     )
     return " ".join(parts)
+
+
+def _note_busy(st: _HangRun, rank: int, t_ns: int, runnable_ns: int) -> None:
+    """The share of the last heartbeat interval the rank's training thread was runnable."""
+    prev = st.runnable.get(rank)
+    st.runnable[rank] = (t_ns, runnable_ns)
+    if prev is not None and t_ns > prev[0] and runnable_ns >= prev[1]:
+        st.busy[rank] = (runnable_ns - prev[1]) / (t_ns - prev[0])
