@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.sources import analyze_recording
 from ddpscope.schema import Message, Step
 from tests.support.synth import (
     MS,
@@ -165,3 +167,21 @@ def test_steps_without_run_queue_readings_keep_the_straggler() -> None:
     assert all(m.rq_wait_ns == -1 for m in msgs if isinstance(m, Step))
     analysis = feed(Analysis(detectors=[StragglerDetector()]), msgs)
     assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
+
+
+
+#: A real recording (tests/jobs/starved_job.py --starve 1, 2 ranks, 120 steps) made
+#: during a full test-suite run, whose other jobs starved rank 0 too, in bursts.
+UNDER_LOAD = Path(__file__).parent / "recordings" / "starved-under-suite-load"
+
+
+def test_a_rank_starved_beside_the_suites_bursts_of_load_is_contention_throughout() -> None:
+    # Rank 0 waited 463 ms of a 502 ms step on one step of the first window: the
+    # median of the per-step ratios missed that, the running shares did not, and
+    # their product read 5.4x on a CPU for rank 1 (waiting 93% of its own work):
+    # named a straggler at step 11. Later, a window whose sums saw no excess renamed
+    # a contention finding a straggler.
+    analysis, recording = analyze_recording(str(UNDER_LOAD))
+    assert recording.problems == []
+    found = analysis.book(analysis.latest).sorted()
+    assert [(f.kind, f.severity, f.ranks) for f in found] == [("cpu_contention", "info", [1])]

@@ -11,11 +11,10 @@ steps after ``first``):
 
 - ``excess = own(r) - ref``: its extra own work against the others' median;
 - ``extra = rq(r) - median of the others' rq``: its extra run-queue wait;
-- on a CPU: the median over the steps of ``own(r) / ref``, times the share
-  of its own work it spent running (``1 - rq(r) / own(r)``) over the others'
-  same share: what its own work would be against theirs with a CPU of its
-  own. The ratio is a median, as the straggler's is (one long step does not
-  carry it); the shares come from the window's sums, not from each step. A
+- on a CPU: what its own work would be against theirs with a CPU of its
+  own, read two ways (``_on_cpu_ratio``): the median of the per-step ratios
+  ``own(r) / ref`` times its running share over theirs, and the window's
+  sums of own work less wait; the lower counts. A
   rank reads its wait once per publisher tick and interpolates between
   readings (``hooks/schedwait.py``), so one step's wait can hold a
   neighbour's: on a starved rank a step's own work less its wait is a small
@@ -46,7 +45,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
-from typing import Any
+from typing import Any, Literal
 
 from ddpscope.analysis.state import RunState
 
@@ -54,6 +53,11 @@ KIND = "cpu_contention"
 SEVERITY = "info"
 #: The share of a rank's extra own work that its extra run-queue wait must explain.
 EXPLAINED = 0.5
+#: starved()'s answer when the window cannot tell: readings missing on most steps,
+#: the others waited through all of their own work, or by the window's sums the
+#: rank did no more own work than they did (nothing to compare with).
+Undecided = Literal["undecided"]
+UNDECIDED: Undecided = "undecided"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,13 +89,13 @@ def starved(
     own: Sequence[int],
     ref: Sequence[float],
     slow_ratio: float,
-) -> Starved | None:
+) -> Starved | Undecided | None:
     """The figures when rank r's extra own work over ``steps`` is CPU starvation.
 
     ``own[i]`` and ``ref[i]``: rank r's own work and the others' median own
     work in ``steps[i]``. Each step's wait is the difference of its reading
     and the one before it, so ``steps[0]`` only sets the base. None when it is
-    not starvation or cannot be told (readings missing on most steps).
+    not starvation; UNDECIDED when the window cannot tell.
     """
     rows = run.by_step
     prev = rows.get(steps[0]) if steps else None
@@ -117,13 +121,15 @@ def starved(
         if mine >= 0 and waits:
             kept.append((own[i], ref[i], mine, median(waits)))
     if len(kept) < len(steps) // 2 or not kept:
-        return None
+        return UNDECIDED
     own_sum, ref_sum, rq_sum, others_sum = (sum(col) for col in zip(*kept, strict=True))
     if own_sum <= ref_sum:
-        return None
+        # The medians say slow, the sums do not (the others' few long steps carry
+        # them): nothing to weigh the wait against.
+        return UNDECIDED
     on_cpu = _on_cpu_ratio(kept)
     if on_cpu is None:
-        return None
+        return UNDECIDED
     view = run.ranks.get(r)
     host = view.info.host if view is not None and view.info is not None else ""
     found = Starved(len(kept), host, int(own_sum), ref_sum, int(rq_sum), others_sum, on_cpu)
@@ -135,11 +141,24 @@ def starved(
 def _on_cpu_ratio(kept: list[tuple[float, float, int, float]]) -> float | None:
     """How much slower than the others it would be on a CPU of its own.
 
-    Its own work against the others' (the median of the per-step ratios, as
-    the straggler's own ratio is: one long step does not carry it), times the
-    share of its own work it was running over the others' same share, both
-    shares from the window's sums (where misplaced waits cancel). None when
-    the others waited all through their own work (nothing to compare with).
+    The lower of two readings, each blind where the other sees:
+
+    - its own work against the others' (the median of the per-step ratios,
+      as the straggler's own ratio is: one long step does not carry it),
+      times the share of its own work it was running over the others' same
+      share, both shares from the window's sums (where misplaced waits
+      cancel);
+    - its own work less its wait against the others' same, the window's
+      sums: right where the others were starved too on a few steps, which
+      the shares see and the median does not. Under the test suite's load
+      the other rank waited 463 ms of a 502 ms step on one step of ten; a
+      rank waiting 93% of its own work read 5.4x by the first and was named
+      a straggler, 0.83 by this one. A spike of its own (3x, noise) carries
+      this one (1.26 where the first read under 1.2).
+
+    A rank that computes more reads high on both (a 2x busy loop on a host
+    where every thread waits 70%: 2x each). None when the others waited all
+    through their own work (nothing to compare with).
     """
     own_sum, ref_sum, rq_sum, others_sum = (sum(col) for col in zip(*kept, strict=True))
     ratios = [o / f for o, f, _, _ in kept if f > 0]
@@ -147,8 +166,10 @@ def _on_cpu_ratio(kept: list[tuple[float, float, int, float]]) -> float | None:
         return None
     # Its wait also holds its wake-ups from collectives (outside own work): on a
     # starved rank it can exceed its own work.
-    running = max(0.0, 1 - rq_sum / own_sum)
-    return median(ratios) * running / (1 - others_sum / ref_sum)
+    running = max(0.0, own_sum - rq_sum)
+    by_median = median(ratios) * (running / own_sum) / (1 - others_sum / ref_sum)
+    by_sums = running / (ref_sum - others_sum)
+    return min(by_median, by_sums)
 
 
 def _ms(ns: float) -> float:

@@ -359,6 +359,8 @@ class StragglerDetector:
         # Checked as often as the evidence is refreshed: O(window x ranks) a time.
         if flag.kind == contention.KIND and due:
             starved = self._starved(run, r, win)
+            # Undecided (the other ranks starved through a window too): it keeps
+            # its name; a window at the end of a starved run read so and renamed it.
             if starved is None and self._slow(v):
                 # The run queue no longer explains it: its own work does. Close the
                 # contention finding and name the straggler from here on.
@@ -370,7 +372,7 @@ class StragglerDetector:
             flag.last_evidence_step = step
             if flag.kind == KIND:
                 self._report(run, r, win, v, step, flag, book)
-            elif starved is not None:
+            elif isinstance(starved, contention.Starved):
                 self._report_starved(run, r, win, step, flag, starved, book)
 
     def _slow(self, v: _Verdict) -> bool:
@@ -393,13 +395,15 @@ class StragglerDetector:
     ) -> None:
         """A rank found slow: a straggler, unless it was waiting for a CPU."""
         starved = self._starved(run, r, win)
-        if starved is None:
+        if not isinstance(starved, contention.Starved):
             self._report(run, r, win, v, step, flag, book)
         else:
             flag.kind = contention.KIND
             self._report_starved(run, r, win, step, flag, starved, book)
 
-    def _starved(self, run: RunState, r: int, win: _Window) -> contention.Starved | None:
+    def _starved(
+        self, run: RunState, r: int, win: _Window
+    ) -> contention.Starved | contention.Undecided | None:
         samples = win.samples
         steps = [x.step for x in samples]
         own = [x.own for x in samples]
