@@ -169,7 +169,6 @@ def test_steps_without_run_queue_readings_keep_the_straggler() -> None:
     assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
 
 
-
 #: A real recording (tests/jobs/starved_job.py --starve 1, 2 ranks, 120 steps) made
 #: during a full test-suite run, whose other jobs starved rank 0 too, in bursts.
 UNDER_LOAD = Path(__file__).parent / "recordings" / "starved-under-suite-load"
