@@ -54,15 +54,20 @@ class RunQueueWait:
     def available(self) -> bool:
         return self._fd >= 0
 
-    def read(self) -> int:
-        """The wait now, or -1 once the file cannot be read (the thread has ended)."""
+    def _stat(self) -> tuple[int, int, int] | None:
+        """One reading, or None once the file cannot be read (the thread has ended)."""
         if self._fd < 0:
-            return -1
+            return None
         try:
-            return parse_schedstat(os.pread(self._fd, _READ, 0))[1]
+            return parse_schedstat(os.pread(self._fd, _READ, 0))
         except (OSError, ValueError):
             self.close()
-            return -1
+            return None
+
+    def read(self) -> int:
+        """The wait now, or -1 when unknown."""
+        stat = self._stat()
+        return -1 if stat is None else stat[1]
 
     def runnable(self) -> int:
         """Time on a CPU plus time waiting for one, ns so far; -1 when unknown.
@@ -71,14 +76,8 @@ class RunQueueWait:
         thread computes (on a busy host too), and stays flat while it sleeps,
         waits on I/O or a lock (a stuck rank). Read on heartbeats only.
         """
-        if self._fd < 0:
-            return -1
-        try:
-            on_cpu, waiting, _ = parse_schedstat(os.pread(self._fd, _READ, 0))
-        except (OSError, ValueError):
-            self.close()
-            return -1
-        return on_cpu + waiting
+        stat = self._stat()
+        return -1 if stat is None else stat[0] + stat[1]
 
     def sample(self, now_ns: int) -> None:
         """Take a reading at ``now_ns`` (monotonic); at() interpolates between the last two."""
