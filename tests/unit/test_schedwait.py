@@ -101,3 +101,23 @@ def test_the_wait_at_a_step_s_end_lies_between_the_readings_around_it() -> None:
         assert reader.at(0) == first and reader.at(3_000_000) == last
     finally:
         reader.close()
+
+
+@needs_proc
+def test_runnable_time_grows_while_the_thread_computes_and_not_while_it_sleeps() -> None:
+    # What the hang rule reads from heartbeats to tell a rank computing alone
+    # (an evaluation behind a barrier) from one asleep or blocked.
+    reader = RunQueueWait(threading.get_native_id())
+    try:
+        start = reader.runnable()
+        _spin(0.2)
+        spun = reader.runnable()
+        time.sleep(0.2)
+        slept = reader.runnable()
+        assert 0 <= start <= spun <= slept
+        # On a CPU or waiting for one all through the spin, however loaded the host.
+        assert spun - start > 0.15e9
+        assert slept - spun < 0.05e9
+    finally:
+        reader.close()
+    assert RunQueueWait(0).runnable() == -1
