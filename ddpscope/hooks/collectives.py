@@ -186,8 +186,33 @@ class CollectiveTimer:
         nbytes: int,
         site: str,
     ) -> Any:
+        return self._bracket(
+            fn,
+            args,
+            kwargs,
+            sink.collective_begin,
+            (op, cls, site),
+            sink.collective_end,
+            (op, cls, group, nbytes, site),
+        )
+
+    def _bracket(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        begin: Callable[..., Any],
+        begin_args: tuple[Any, ...],
+        end: Callable[..., None],
+        end_args: tuple[Any, ...],
+    ) -> Any:
+        """``fn`` between ``begin`` and ``end(begun, ...)``, nested calls untracked.
+
+        ``begin`` returning None (the tracker is off) runs ``fn`` alone; an error
+        of ours disables the timer and never reaches the script.
+        """
         try:
-            begun = sink.collective_begin(op, cls, site)
+            begun = begin(*begin_args)
         except Exception as exc:
             self.disable(exc)
             begun = None
@@ -199,7 +224,7 @@ class CollectiveTimer:
         finally:
             self.depth = 0
             try:
-                sink.collective_end(begun, op, cls, group, nbytes, site)
+                end(begun, *end_args)
             except Exception as exc:
                 self.disable(exc)
 
@@ -229,22 +254,7 @@ class CollectiveTimer:
         if not self._active():
             return orig(*args, **kwargs)
         sink = self.sink
-        try:
-            prev = sink.phase_begin("save")
-        except Exception as exc:
-            self.disable(exc)
-            prev = None
-        if prev is None:
-            return orig(*args, **kwargs)
-        self.depth = 1
-        try:
-            return orig(*args, **kwargs)
-        finally:
-            self.depth = 0
-            try:
-                sink.phase_end(prev)
-            except Exception as exc:
-                self.disable(exc)
+        return self._bracket(orig, args, kwargs, sink.phase_begin, ("save",), sink.phase_end, ())
 
     # --- DDP's buffer broadcast ------------------------------------------------
 
