@@ -384,6 +384,7 @@ def test_a_checkpoint_write_that_never_returns_is_a_hang_naming_the_save() -> No
     (f,) = kinds(analyze(msgs))["hang"]
     assert f.severity == "error" and f.ranks == [0]
     assert "rank 0 is behind, saving a checkpoint (in torch.save)" in f.message
+    assert f.fix.startswith("Rank 0 has been inside torch.save for minutes")
 
 
 def test_a_rank_computing_alone_while_the_other_waits_in_a_barrier_is_no_hang() -> None:

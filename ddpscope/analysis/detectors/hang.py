@@ -459,6 +459,12 @@ _BEHIND_HINTS = {
         "Rank {r} is inside its forward: a rank-dependent branch, a custom op that blocks, or "
         "a device that stopped responding."
     ),
+    "save": (
+        "Rank {r} has been inside torch.save for minutes while the others wait: storage that "
+        "stopped answering (a network file system), a full disk, or a checkpoint too large "
+        "to write within the collective timeout. Write to local disk and copy in the "
+        "background, or save asynchronously (torch.distributed.checkpoint.async_save)."
+    ),
 }
 _BEHIND_HINTS["backward"] = _BEHIND_HINTS["forward"].replace("forward", "backward")
 
