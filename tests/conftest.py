@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stop signals reach the commands the tests start, however the suite was launched.
+
+    An ignored signal stays ignored across exec: a suite started from ``nohup`` or
+    as a shell's background job (SIGHUP / SIGINT ignored) would hand that to every
+    ``ddpscope run`` and torchrun it starts, and each stop-signal test would wait out
+    its timeout. The tests that want a signal ignored (nohup) ignore it themselves.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 @pytest.fixture
