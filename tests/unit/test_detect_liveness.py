@@ -420,6 +420,7 @@ def test_a_rank_blocked_in_its_own_code_while_the_other_waits_is_a_hang(share: f
     )
     (f,) = kinds(analyze(msgs))["hang"]
     assert f.ranks == [0] and f.severity == "error"
+    assert "computing" not in f.message and f.evidence["computing"] == {}
 
 
 def test_a_rank_computing_past_the_own_work_limit_is_a_hang() -> None:
@@ -435,6 +436,11 @@ def test_a_rank_computing_past_the_own_work_limit_is_a_hang() -> None:
     )
     (f,) = kinds(analyze(msgs))["hang"]
     assert f.ranks == [0] and f.evidence["stalled_s"] >= HANG_OWN_WORK_S
+    # Said as what it does, not by the phase it was last in ("between steps").
+    assert "rank 0 is behind, computing outside any collective at step 20" in f.message
+    assert "runnable 100% of the last heartbeat interval" in f.message
+    assert f.evidence["computing"] == {"0": 1.0}
+    assert f.fix.startswith("Rank 0 has been computing outside any collective for over 5")
 
 
 def test_a_normal_exit_that_leaves_another_rank_waiting_is_still_a_rank_exit() -> None:

@@ -251,9 +251,7 @@ class HangDetector:
             return None
         own = max(limit, HANG_OWN_WORK_S)
         for w in live:
-            working = w.phase == "save" or (
-                not w.waiting and st.busy.get(w.rank, 0.0) >= BUSY_SHARE
-            )
+            working = w.phase == "save" or _computing(st, w)
             if w.in_phase_s < (own if working else limit):
                 return None
         return self._behind(live, dark), live, dark
@@ -295,7 +293,10 @@ class HangDetector:
         st.signature = signature
         by_rank = {w.rank: w for w in live}
         stacks = [s for r in behind if (s := _stack_of(run, r)) is not None]
-        message = _hang_message(behind, live, dark, by_rank, stacks, stalled, limit)
+        computing = {
+            w.rank: st.busy[w.rank] for w in live if w.rank in behind and _computing(st, w)
+        }
+        message = _hang_message(behind, live, dark, by_rank, stacks, stalled, limit, computing)
         evidence: dict[str, Any] = {
             "stalled_s": round(stalled, 1),
             "threshold_s": round(limit, 1),
@@ -309,6 +310,9 @@ class HangDetector:
             "no_telemetry": dark,
             "stack": stacks[0] if stacks else None,
             "episodes": st.episodes,
+            # Behind ranks outside every collective whose training thread was
+            # runnable most of its last heartbeat interval: the share, by rank.
+            "computing": {str(r): round(share, 2) for r, share in computing.items()},
         }
         first = by_rank.get(behind[0]) if behind else None
         step = first.step if first is not None else min(w.step for w in live)
@@ -321,7 +325,7 @@ class HangDetector:
                 step=step,
                 epoch=epoch_of(run, behind),
                 message=message,
-                fix=_hang_fix(run, behind, stacks, by_rank),
+                fix=_hang_fix(run, behind, stacks, by_rank, computing),
                 evidence=evidence,
                 last_step=step,
             ),
@@ -420,6 +424,7 @@ def _hang_message(
     stacks: list[dict[str, Any]],
     stalled: float,
     limit: float,
+    computing: dict[int, float] | None = None,
 ) -> str:
     head = f"No rank has completed a step for {stalled:.1f} s (limit {limit:.1f} s)"
     others = [w for w in live if w.rank not in behind]
@@ -428,7 +433,18 @@ def _hang_message(
     elif behind and len(behind) < len(live) + len(dark):
         w = by_rank[behind[0]]
         verb = "is" if len(behind) == 1 else "are"
-        lead = f"{ranks_phrase(behind)} {verb} behind, {w.describe()}"
+        share = (computing or {}).get(w.rank)
+        if share is None:
+            lead = f"{ranks_phrase(behind)} {verb} behind, {w.describe()}"
+        else:
+            # Its phase is where it last was ("loading data" between steps); what it
+            # does is compute: its thread ran, or waited only for a CPU, all along.
+            lead = (
+                f"{ranks_phrase(behind)} {verb} behind, computing outside any collective "
+                f"at step {w.step} for {w.in_phase_s:.1f} s (its training thread runnable "
+                f"{100 * min(share, 1.0):.0f}% of the last heartbeat interval; last phase: "
+                f"{w.doing()})"
+            )
         if stacks and stacks[0].get("at"):
             lead += f", at {stacks[0]['at']}"
     else:
@@ -467,6 +483,18 @@ _BEHIND_HINTS = {
     ),
 }
 _BEHIND_HINTS["backward"] = _BEHIND_HINTS["forward"].replace("forward", "backward")
+#: A behind rank that computes (runnable most of the time) outside every collective.
+_COMPUTING_HINT = (
+    "Rank {r} has been computing outside any collective for over {m:.0f} minutes while the "
+    "others wait: evaluation, metrics or preprocessing run on that rank only, or a loop "
+    "that does not end. Run such work on every rank (each on its shard) or outside the "
+    "training job, or check the loop in its stack."
+)
+
+
+def _computing(st: _HangRun, w: Where) -> bool:
+    """Outside every collective and runnable at least BUSY_SHARE of its last interval."""
+    return w.phase != "save" and not w.waiting and st.busy.get(w.rank, 0.0) >= BUSY_SHARE
 
 
 def _hang_fix(
@@ -474,10 +502,13 @@ def _hang_fix(
     behind: list[int],
     stacks: list[dict[str, Any]],
     by_rank: dict[int, Where] | None = None,
+    computing: dict[int, float] | None = None,
 ) -> str:
     parts = []
     first = by_rank.get(behind[0]) if by_rank and behind else None
-    if first is not None and first.phase in _BEHIND_HINTS:
+    if first is not None and computing and first.rank in computing:
+        parts.append(_COMPUTING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
+    elif first is not None and first.phase in _BEHIND_HINTS:
         parts.append(_BEHIND_HINTS[first.phase].format(r=first.rank))
     if stacks:
         parts.append(
