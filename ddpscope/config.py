@@ -51,6 +51,9 @@ AUTOATTACH_VAR = "DDPSCOPE_AUTOATTACH"
 RELAY_VAR = "DDPSCOPE_RELAY"
 #: The watcher's (or relay's) server keys directory; ranks do not read it.
 KEYS_VAR = "DDPSCOPE_KEYS"
+#: Set by ``ddpscope run`` in the job's environment: how it knows the processes
+#: the job left running once it ended (ddpscope.cli.leftovers).
+JOB_VAR = "DDPSCOPE_JOB"
 
 
 class ConfigError(ValueError):

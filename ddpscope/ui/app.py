@@ -85,7 +85,7 @@ class Lifeline(Protocol):
 
 
 class Job(Protocol):
-    """The job ``ddpscope run`` launched (a subprocess.Popen)."""
+    """The job ``ddpscope run`` launched (a ddpscope.cli.launch.Job)."""
 
     def poll(self) -> int | None: ...
 

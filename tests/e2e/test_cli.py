@@ -237,8 +237,8 @@ def test_a_stop_signal_that_comes_while_the_job_starts_reaches_it_once_started(
         assert launch.exit_status(child.wait(timeout=30)) == 128 + signal.SIGTERM
         assert forwarder.pgid == child.pid and forwarder.pending == []
     finally:
-        child.kill()
-        child.communicate()
+        child.process.kill()
+        child.process.communicate()
 
 
 def test_launch_reports_a_killed_job_as_a_shell_does() -> None:

@@ -1,0 +1,101 @@
+"""The processes a job leaves running when it ends: found and stopped.
+
+torchrun stops its ranks, not what the ranks started. A DataLoader worker
+deadlocked at fork (CPython gh-112275), a helper a script forked and forgot,
+a daemon it detached into a session of its own: each outlives the job,
+keeps its memory (on a GPU node, its device), and while it holds the
+launching shell's output pipe a ``ddpscope run ... | tee log`` never returns.
+A batch scheduler stops every process of a job when the job ends (Slurm
+through its cgroup); ``ddpscope run`` does the same for the command it
+started. It knows their processes by a mark in the environment, which every
+descendant inherits whatever session or process group it moved to, and which
+no process outside the job carries: the launcher's pid and a random nonce.
+
+psutil, no torch and no textual: this runs in the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import psutil
+
+from ddpscope import config
+
+#: Seconds a leftover has to exit after SIGTERM before it gets SIGKILL.
+GRACE_S = 3.0
+
+#: Longest command line shown for one leftover.
+_SHOWN_CHARS = 80
+
+
+def new_mark() -> str:
+    """A mark for one launch: :data:`config.JOB_VAR` carries it into the job's processes."""
+    return f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+
+
+def find(mark: str) -> list[psutil.Process]:
+    """This user's running processes whose environment carries ``mark``."""
+    uid = os.getuid()
+    me = os.getpid()
+    found = []
+    for proc in psutil.process_iter(["uids"]):
+        uids = proc.info.get("uids")
+        if proc.pid == me or uids is None or uids.real != uid:
+            continue
+        try:
+            if proc.environ().get(config.JOB_VAR) == mark:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile, a zombie, or not ours to read
+    return found
+
+
+def describe(proc: psutil.Process) -> str:
+    """``pid 123 (python train.py ...)``, or the bare pid when it is gone."""
+    try:
+        # One line whatever the arguments hold (a `python -c` script has newlines).
+        line = " ".join(" ".join(proc.cmdline()).split()) or proc.name()
+    except (psutil.Error, OSError):
+        return f"pid {proc.pid}"
+    if len(line) > _SHOWN_CHARS:
+        line = line[: _SHOWN_CHARS - 3] + "..."
+    return f"pid {proc.pid} ({line})"
+
+
+def stop(procs: list[psutil.Process], grace_s: float = GRACE_S) -> list[str]:
+    """SIGTERM each, SIGKILL those still there after ``grace_s``; what they were.
+
+    SIGKILL is needed in practice: a process deadlocked in the interpreter
+    never runs the Python handler that a SIGTERM it inherited is waiting for.
+    """
+    shown = [describe(proc) for proc in procs]
+    for proc in procs:
+        try:
+            proc.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    return shown
+
+
+def stop_leftovers(mark: str, grace_s: float = GRACE_S) -> list[str]:
+    """Stop every process still carrying ``mark``; what they were (none: ``[]``)."""
+    procs = find(mark)
+    return stop(procs, grace_s) if procs else []
+
+
+def summary(shown: list[str]) -> str:
+    """The launcher's line about the processes it had to stop."""
+    many = len(shown) != 1
+    return (
+        f"ddpscope run: the job ended with {len(shown)} of its process{'es' if many else ''} "
+        f"still running; stopped {'them' if many else 'it'}: " + "; ".join(shown)
+    )

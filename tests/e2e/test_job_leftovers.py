@@ -1,0 +1,203 @@
+"""What a job leaves running when it ends: ``ddpscope run`` stops it and says so.
+
+A forked child, one that ignores SIGTERM (as a process deadlocked inside the
+interpreter effectively does), a daemon in a session of its own: torchrun
+stops none of them. Real processes throughout, and one real torchrun job.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from ddpscope.cli import launch
+from tests.support.torchrun import ROOT, job_env
+
+DDPSCOPE = [sys.executable, "-m", "ddpscope"]
+
+# Forks a plain child, a child that ignores SIGTERM, and a detached daemon,
+# prints their pids once each is set up, and exits 3 at once.
+STRAYS = textwrap.dedent(
+    """
+    import os, signal, sys, time
+
+    def stray(kind):
+        r, w = os.pipe()
+        if os.fork():
+            os.close(w)
+            pid = os.read(r, 32).decode()
+            os.close(r)
+            return pid
+        os.close(r)
+        if kind == "daemon":
+            os.setsid()
+            if os.fork():
+                os._exit(0)
+        if kind == "stubborn":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(w, str(os.getpid()).encode())
+        os.close(w)
+        time.sleep(300)
+        os._exit(0)
+
+    print(" ".join(stray(k) for k in ("plain", "stubborn", "daemon")), flush=True)
+    sys.exit(3)
+    """
+)
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _running(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_run_stops_what_the_job_left_running_and_names_it(tmp_path: Path) -> None:
+    # The strays keep the job's stdout open: without the stop, reading the
+    # launcher's output to its end (a `| tee`) would wait for them.
+    proc = subprocess.Popen(
+        [
+            *DDPSCOPE,
+            "run",
+            "--headless",
+            "--record",
+            str(tmp_path),
+            "--",
+            sys.executable,
+            "-c",
+            STRAYS,
+        ],
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    try:
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 3  # the command's own status
+        assert _running(pids) == []
+        lines = [line for line in err.splitlines() if "still running" in line]
+        assert len(lines) == 1, err
+        assert "3 of its processes" in lines[0]
+        assert all(f"pid {pid} (" in lines[0] for pid in pids), lines[0]
+    finally:
+        proc.kill()
+        _kill(pids)
+
+
+def test_a_job_that_leaves_nothing_gets_no_word_about_it(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            *DDPSCOPE,
+            "run",
+            "--headless",
+            "--record",
+            str(tmp_path),
+            "--",
+            sys.executable,
+            "-c",
+            "import subprocess, sys; subprocess.run([sys.executable, '-c', ''])",
+        ],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "still running" not in proc.stderr
+
+
+def test_a_polled_job_stops_its_leftovers_without_waiting_for_them(tmp_path: Path) -> None:
+    # The UI polls the job: the first poll that sees it end starts the stop on
+    # a thread of its own (the stubborn stray's grace period never blocks the
+    # caller), and wait() then says what was stopped.
+    forwarder = launch.Forwarder()
+    job = launch.start_job(
+        [sys.executable, "-c", STRAYS], job_env(), forwarder, stdout=subprocess.PIPE
+    )
+    assert isinstance(job, launch.Job)
+    assert job.process.stdout is not None
+    pids = [int(p) for p in job.process.stdout.readline().split()]
+    try:
+        deadline = time.monotonic() + 30
+        while job.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        started = time.monotonic()
+        assert job.poll() == 3
+        assert time.monotonic() - started < 0.5  # the SIGTERM grace is not spent here
+        deadline = time.monotonic() + 30
+        while _running(pids):
+            assert time.monotonic() < deadline, _running(pids)
+            time.sleep(0.05)
+        assert job.wait(timeout=30) == 3
+        assert sorted(int(s.split()[1]) for s in job.stopped) == sorted(pids)
+    finally:
+        job.process.kill()
+        _kill(pids)
+
+
+@pytest.mark.torchrun
+def test_run_stops_what_a_torchrun_jobs_ranks_left_running(tmp_path: Path) -> None:
+    strays = tmp_path / "strays"
+    strays.mkdir()
+    proc = subprocess.run(
+        [
+            *DDPSCOPE,
+            "run",
+            "--headless",
+            "--record",
+            str(tmp_path / "rec"),
+            "--run-id",
+            "t",
+            "--endpoint",
+            f"ipc://{tmp_path}/w.sock",
+            "--",
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "tests" / "jobs" / "stray_job.py"),
+            str(strays),
+        ],
+        env=job_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=ROOT,
+    )
+    pids = [int(p.name.split("-")[1]) for p in strays.iterdir()]
+    try:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert proc.stdout.count(" done") == 2
+        assert len(pids) == 3  # one per rank, and rank 0's daemon
+        assert _running(pids) == []
+        assert "3 of its processes still running" in proc.stderr
+    finally:
+        _kill(pids)
