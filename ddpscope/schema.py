@@ -271,6 +271,11 @@ class Heartbeat(Message):
     #: started (schedstat); -1 where not known. It grows while the thread computes
     #: and stays flat while it is blocked (asleep, in I/O, on a lock).
     runnable_ns: int = -1
+    #: While the training thread is blocked in a system call on a regular file: the
+    #: call ("read", "write", "sync", "close", "copy") and the file's path. A checkpoint
+    #: written outside torch.save (fsspec, safetensors, DCP) shows here.
+    io_op: str = ""
+    io_path: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -64,6 +64,10 @@ class Where:
     coll_op: str = ""
     coll_class: str = ""
     coll_site: str = ""
+    #: Outside the collectives: the system call its training thread is blocked in on
+    #: a regular file, and the file (Heartbeat.io_op, io_path).
+    io_op: str = ""
+    io_path: str = ""
 
     @property
     def waiting(self) -> bool:
@@ -88,8 +92,17 @@ class Where:
             return "waiting in Join (shadowing all-reduces)"
         if self.phase == "collective":
             return f"waiting in {self.collective()}"
+        if self.in_file_io:
+            # What it does says more than the phase it was last in ("data" between
+            # steps, where Lightning and the HF Trainer write their checkpoints).
+            return f"{_FILE_IO.get(self.io_op, self.io_op)} {self.io_path}"
         own = _OWN_PHASES.get(self.phase)
         return own if own is not None else f"in its own code ('{self.phase}')"
+
+    @property
+    def in_file_io(self) -> bool:
+        """Outside the collectives, blocked reading, writing or syncing a regular file."""
+        return bool(self.io_op) and not self.waiting
 
     def collective(self) -> str:
         """``broadcast (DDP buffers)``, ``all_reduce at train.py:57 in main``."""
@@ -120,8 +133,19 @@ class Where:
                 "class": self.coll_class,
                 "site": self.coll_site,
             }
+        if self.in_file_io:
+            out["file_io"] = {"op": self.io_op, "path": self.io_path}
         return out
 
+
+#: A rank blocked on a regular file, by the call it is in.
+_FILE_IO = {
+    "read": "reading",
+    "write": "writing",
+    "sync": "flushing to storage",
+    "close": "closing (flushing) the file",
+    "copy": "copying",
+}
 
 #: What a rank outside every collective is doing, by phase, in words.
 _OWN_PHASES = {
@@ -151,6 +175,8 @@ def where(view: RankView, now_ns: int, hb_rx_ns: int | None) -> Where | None:
         coll_op=hb.coll_op,
         coll_class=hb.coll_class,
         coll_site=hb.coll_site,
+        io_op=hb.io_op,
+        io_path=hb.io_path,
     )
 
 

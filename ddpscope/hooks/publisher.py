@@ -23,6 +23,7 @@ from typing import Any
 import zmq
 
 from ddpscope.config import Options
+from ddpscope.hooks.fileio import FileWait
 from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.schedwait import RunQueueWait
 from ddpscope.hooks.stacks import all_thread_stacks
@@ -130,6 +131,8 @@ class Publisher:
         # The publisher is made by attach() on the thread that trains: its run-queue
         # wait is what tells a starved rank from a slow one (read on this thread).
         self._run_queue = RunQueueWait(threading.get_native_id())
+        # The file it is blocked on, if any: a checkpoint written outside torch.save.
+        self._file_wait = FileWait(threading.get_native_id())
         self._seq = 0
         self.sent = 0
         self.dropped_queue = 0
@@ -373,6 +376,10 @@ class Publisher:
         runnable = self._run_queue.runnable()
         if runnable >= 0:
             fields["runnable_ns"] = runnable
+        io_op, io_path = self._file_wait.sample()
+        if io_op:
+            fields["io_op"] = io_op
+            fields["io_path"] = io_path
         fields.update(self._host.sample())
         self._emit(Heartbeat.KIND, 0, fields, record=True)
         # Any phase can hang, user code ("idle") included: a rank asleep there
@@ -483,6 +490,7 @@ class Publisher:
         if self._writer is not None:
             self._writer.close()
         self._run_queue.close()
+        self._file_wait.close()
         self.handshakes.close()
         self._ctx.destroy(linger=EXIT_FLUSH_MS)
 

@@ -69,10 +69,12 @@ def stuck(
     every: int = S,
     colls: dict[int, tuple[str, str, str]] | None = None,
     runnable: dict[int, float] | None = None,
+    io: dict[int, tuple[str, str]] | None = None,
 ) -> list[Message]:
     """Heartbeats of ranks stuck from ``start`` on: rank -> (phase, step count); ranks in
     phase "collective" say which one in ``colls``: rank -> (op, class, site); ranks in
-    ``runnable`` send their training thread's runnable time, growing at that share."""
+    ``runnable`` send their training thread's runnable time, growing at that share;
+    ranks in ``io`` are blocked on a regular file: rank -> (call, path)."""
     out: list[Message] = []
     t = start + every
     while t <= start + int(seconds * S):
@@ -80,6 +82,8 @@ def stuck(
             op, cls, site = (colls or {}).get(r, ("", "", ""))
             share = (runnable or {}).get(r)
             extra = {} if share is None else {"runnable_ns": S + int(share * (t - start))}
+            if r in (io or {}):
+                extra["io_op"], extra["io_path"] = (io or {})[r]
             out.append(
                 heartbeat(
                     r,
@@ -441,6 +445,74 @@ def test_a_rank_computing_past_the_own_work_limit_is_a_hang() -> None:
     assert "runnable 100% of the last heartbeat interval" in f.message
     assert f.evidence["computing"] == {"0": 1.0}
     assert f.fix.startswith("Rank 0 has been computing outside any collective for over 5")
+
+
+CHECKPOINT = "/ckpt/epoch=3-step=20.ckpt"
+
+
+@pytest.mark.parametrize("op", ["write", "sync", "close", "read"])
+def test_a_rank_blocked_on_a_file_while_the_other_waits_is_no_hang(op: str) -> None:
+    # Rank 0 writes a checkpoint outside torch.save (Lightning through fsspec, DCP's
+    # fsync) to slow storage for 40 s between steps, asleep in the system call
+    # (runnable 0%); rank 1 waits in the barrier after it. Then training goes on.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck(
+        {0: ("data", 20), 1: ("collective", 20)},
+        t,
+        40,
+        colls={1: BARRIER},
+        runnable={0: 0.0, 1: 0.0},
+        io={0: (op, CHECKPOINT)},
+    )
+    assert "hang" not in kinds(analyze(msgs))
+    t_back = t + 40 * S + 5 * MS
+    msgs += [step_at(0, 20, t_back), step_at(1, 20, t_back + MS)]
+    assert "hang" not in kinds(analyze(msgs))
+
+
+def test_a_rank_blocked_on_a_pipe_or_asleep_is_still_a_hang_at_the_usual_limit() -> None:
+    # The same wait with no file named (a DataLoader queue, a lock, a sleep): the
+    # step-time limit, not the time a checkpoint gets.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("data", 20), 1: ("collective", 20)}, t, 8, colls={1: BARRIER},
+                  runnable={0: 0.0, 1: 0.0})  # fmt: skip
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0] and f.evidence["stalled_s"] < 10
+    assert "file_io" not in f.evidence["where"]["0"]
+
+
+@pytest.mark.parametrize(
+    ("op", "said", "hint"),
+    [
+        ("write", f"writing {CHECKPOINT}", "blocked writing"),
+        ("sync", f"flushing to storage {CHECKPOINT}", "blocked writing"),
+        ("read", f"reading {CHECKPOINT}", "blocked reading"),
+    ],
+)
+def test_a_file_operation_that_never_returns_is_a_hang_naming_the_file(
+    op: str, said: str, hint: str
+) -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck(
+        {0: ("data", 20), 1: ("collective", 20)},
+        t,
+        HANG_OWN_WORK_S + 10,
+        every=10 * S,
+        colls={1: BARRIER},
+        runnable={0: 0.0, 1: 0.0},
+        io={0: (op, CHECKPOINT)},
+    )
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0] and f.evidence["stalled_s"] >= HANG_OWN_WORK_S
+    # Said as what it does, not as the phase it was last in ("loading data").
+    assert f"rank 0 is behind, {said} at step 20" in f.message
+    assert "loading data" not in f.message.split(";")[0]
+    assert f.evidence["where"]["0"]["file_io"] == {"op": op, "path": CHECKPOINT}
+    assert f.evidence["computing"] == {}
+    assert f.fix.startswith(f"Rank 0 has been {hint} {CHECKPOINT} for over 5 minutes")
 
 
 def test_a_normal_exit_that_leaves_another_rank_waiting_is_still_a_rank_exit() -> None:

@@ -19,7 +19,12 @@ Hang rule, checked on every tick; all four must hold:
    outside every collective whose training thread was runnable (on a CPU or
    waiting for one: ``Heartbeat.runnable_ns``) at least half of its last
    heartbeat interval: it computes (an evaluation on rank 0 alone behind a
-   barrier), where a stuck rank sleeps, waits on I/O or on a lock.
+   barrier), where a stuck rank sleeps, waits on I/O or on a lock. And so is
+   a rank whose training thread is blocked reading or writing a regular file
+   (``Heartbeat.io_op``/``io_path``): a checkpoint written outside torch.save
+   (Lightning through fsspec, the HF Trainer and accelerate through
+   safetensors, DCP) on slow storage; only one that never returns is a hang,
+   and the message names the file.
 3. At least one live rank is blocked in a collective (``schema.WAITING_PHASES``):
    the gradient all-reduce (``allreduce``), any other collective
    (``collective``: DDP's buffer broadcast at the start of a forward, the
@@ -251,7 +256,7 @@ class HangDetector:
             return None
         own = max(limit, HANG_OWN_WORK_S)
         for w in live:
-            working = w.phase == "save" or _computing(st, w)
+            working = w.phase == "save" or w.in_file_io or _computing(st, w)
             if w.in_phase_s < (own if working else limit):
                 return None
         return self._behind(live, dark), live, dark
@@ -492,9 +497,30 @@ _COMPUTING_HINT = (
 )
 
 
+#: A behind rank blocked on a regular file (Heartbeat.io_op, io_path) for minutes.
+_WRITING_HINT = (
+    "Rank {r} has been blocked writing {path} for over {m:.0f} minutes while the others "
+    "wait: storage that stopped answering (a network file system), a full disk, or a "
+    "checkpoint too large to write within the collective timeout. Write to local disk and "
+    "copy in the background, or save asynchronously (torch.distributed.checkpoint."
+    "async_save, Lightning's AsyncCheckpointIO)."
+)
+_READING_HINT = (
+    "Rank {r} has been blocked reading {path} for over {m:.0f} minutes while the others "
+    "wait: storage that stopped answering (a network file system), or a large read on "
+    "the training thread. Read data in DataLoader workers (num_workers > 0), and stage "
+    "large files on local disk first."
+)
+
+
 def _computing(st: _HangRun, w: Where) -> bool:
     """Outside every collective and runnable at least BUSY_SHARE of its last interval."""
-    return w.phase != "save" and not w.waiting and st.busy.get(w.rank, 0.0) >= BUSY_SHARE
+    return (
+        w.phase != "save"
+        and not w.waiting
+        and not w.in_file_io
+        and st.busy.get(w.rank, 0.0) >= BUSY_SHARE
+    )
 
 
 def _hang_fix(
@@ -508,6 +534,9 @@ def _hang_fix(
     first = by_rank.get(behind[0]) if by_rank and behind else None
     if first is not None and computing and first.rank in computing:
         parts.append(_COMPUTING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
+    elif first is not None and first.in_file_io:
+        hint = _READING_HINT if first.io_op == "read" else _WRITING_HINT
+        parts.append(hint.format(r=first.rank, m=HANG_OWN_WORK_S / 60, path=first.io_path))
     elif first is not None and first.phase in _BEHIND_HINTS:
         parts.append(_BEHIND_HINTS[first.phase].format(r=first.rank))
     if stacks:
