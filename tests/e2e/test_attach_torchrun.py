@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -433,7 +434,8 @@ def test_the_comm_hooks_callbacks_make_no_python_thread_state_per_bucket(endpoin
         [str(ROOT / "tests" / "jobs" / "thread_states_job.py")],
         env=job_env(DDPSCOPE_ENDPOINT=endpoint, DDPSCOPE_BUCKET_EVERY="1"),
     )
-    made = [int(line.rsplit(":", 1)[1]) for line in proc.stdout.splitlines() if "made:" in line]
+    # Not line by line: unbuffered, the ranks' lines can interleave mid-line.
+    made = [int(n) for n in re.findall(r"thread states made: (\d+)", proc.stdout)]
     assert len(made) == 2, proc.stdout[-2000:]
     # At most one per thread of the process group (gloo's), on its first callback.
     assert max(made) <= 4, made
