@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ddpscope import _exit
 from ddpscope._version import __version__
 
 if TYPE_CHECKING:
@@ -27,6 +28,10 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
 
     return _attach(model, **options)
 
+
+# Before the libraries a script imports next register their own exit work
+# (ddpscope/_exit.py): a rank's end then comes after theirs.
+_exit.register_early()
 
 # When torch's DDP is already loaded, catch comm hooks registered before
 # attach() so they can be wrapped (timed) instead of only left alone.

@@ -98,6 +98,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank0-eval", action="store_true", help="rank 0 alone evaluates the DDP model")
     p.add_argument("--dataparallel", action="store_true", help="nn.DataParallel inside DDP")
     p.add_argument("--no-destroy", action="store_true", help="skip destroy_process_group()")
+    p.add_argument(
+        "--destroy-at-exit",
+        action="store_true",
+        help="destroy the process group from an atexit handler registered after init, as "
+        "Lightning does for NCCL (with --no-destroy: the script itself does not)",
+    )
     p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises ...")
     p.add_argument("--raise-step", type=int, default=3, help="... at this step")
     # healthy patterns that must not raise findings
@@ -171,6 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     cuda = torch.cuda.is_available()
     timeout = datetime.timedelta(seconds=args.pg_timeout_s) if args.pg_timeout_s else None
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    if args.destroy_at_exit:
+        import atexit
+
+        atexit.register(dist.destroy_process_group)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else None
     if device is not None:

@@ -28,7 +28,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from ddpscope import config
+from ddpscope import _exit, config
 from ddpscope.config import ConfigError, Options
 from ddpscope.hooks import backward as backward_calls
 from ddpscope.hooks import bucket_cost, collectives, comm, compiled, forward, recipe, runinfo
@@ -118,11 +118,15 @@ class _Process:
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
         self._install_sigterm()
-        self.publisher.start()
-        # atexit runs handlers last-in first-out: this one before the publisher closes.
-        import atexit
+        # The end runs after the exit work of libraries registered since ddpscope's
+        # import (ddpscope/_exit.py); else atexit runs handlers last-in first-out,
+        # this one before the publisher's own close.
+        deferred = _exit.defer(self.finish)
+        self.publisher.start(close_at_exit=not deferred)
+        if not deferred:
+            import atexit
 
-        atexit.register(self.finish)
+            atexit.register(self.finish)
 
     def _training(self) -> bool:
         return torch.is_grad_enabled() and any(h.model.training for h in self.handles)

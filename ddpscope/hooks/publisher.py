@@ -213,9 +213,11 @@ class Publisher:
     def on_request(self, what: str, handler: Callable[[], None]) -> None:
         self._handlers[what] = handler
 
-    def start(self) -> None:
+    def start(self, close_at_exit: bool = True) -> None:
+        """Start sending; ``close_at_exit=False`` when the caller closes it at exit."""
         self._thread.start()
-        atexit.register(self.close, "exit")
+        if close_at_exit:
+            atexit.register(self.close, "exit")
 
     # --- the thread --------------------------------------------------------
 
