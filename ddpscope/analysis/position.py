@@ -180,6 +180,10 @@ def where(view: RankView, now_ns: int, hb_rx_ns: int | None) -> Where | None:
     )
 
 
+#: Path parts of the frames of torch's DataLoader.
+_DATALOADER_MARKERS = ("torch/utils/data/", "torch\\utils\\data\\")
+
+
 def _is_user_frame(path: str) -> bool:
     return not any(m in path for m in _LIBRARY_MARKERS)
 
@@ -208,6 +212,9 @@ def stack_evidence(view: RankView) -> dict[str, Any] | None:
         "current": fresh,
         "at": user[-1] if user else (text[-1] if text else ""),
         "frames": text[-STACK_FRAMES:],
+        # Whether it is getting a batch: torch's DataLoader (and the wrappers of
+        # Lightning and accelerate, which call it) on the stack.
+        "in_dataloader": any(any(m in f[0] for m in _DATALOADER_MARKERS) for f in frames),
     }
 
 

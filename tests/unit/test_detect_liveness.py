@@ -117,11 +117,21 @@ def busy(ranks: list[int], step: int, start: int, seconds: float, phases=("eval"
     return out
 
 
-def stacks(rank: int, t: int, step: int, phase: str = "idle") -> Stacks:
+#: The innermost frames of a main thread waiting for its DataLoader's next batch.
+IN_DATALOADER = [
+    ["/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", 733, "__next__"],
+    ["/venv/lib/python3.11/site-packages/torch/utils/data/dataloader.py", 1482, "_next_data"],
+    ["/usr/lib/python3.11/multiprocessing/queues.py", 113, "get"],
+]
+
+
+def stacks(
+    rank: int, t: int, step: int, phase: str = "idle", inner: list[list[Any]] | None = None
+) -> Stacks:
     frames = [
         ["/job/train.py", 211, "<module>"],
         ["/job/train.py", 162, "_train"],
-        ["/job/train.py", 207, "_inject"],
+        *(inner or [["/job/train.py", 207, "_inject"]]),
     ]
     helper = [["/usr/lib/python3.11/threading.py", 320, "wait"]]
     return Stacks(
@@ -238,17 +248,35 @@ def test_a_data_stall_while_the_other_waits_in_the_buffer_broadcast_is_a_hang() 
     msgs = run_steps(steps=6, buffers=True)
     t = end_of(msgs)
     msgs += stuck({0: ("collective", 6), 1: ("data", 6)}, t, 12, colls={0: BROADCAST})
-    msgs.append(stacks(1, t + 3 * S, step=6, phase="data"))
+    msgs.append(stacks(1, t + 3 * S, step=6, phase="data", inner=IN_DATALOADER))
     (f,) = kinds(analyze(msgs))["hang"]
     assert f.severity == "error" and f.ranks == [1] and f.step == 6
     assert "rank 1 is behind, loading data (waiting for its DataLoader) at step 6" in f.message
-    assert "at /job/train.py:207 in _inject" in f.message
+    assert "at /job/train.py:162 in _train" in f.message
     assert "rank 0 is waiting in broadcast (DDP buffers) at step 6 for 12.0 s" in f.message
     ev = f.evidence
     assert ev["where"]["0"]["collective"] == {"op": "broadcast", "class": "ddp", "site": ""}
     assert ev["where"]["1"]["phase"] == "data" and "collective" not in ev["where"]["1"]
-    assert ev["stack"]["at"] == "/job/train.py:207 in _inject"
+    assert ev["stack"]["at"] == "/job/train.py:162 in _train"
     assert "DataLoader worker" in f.fix
+
+
+def test_a_rank_stuck_between_steps_outside_its_dataloader_is_said_to_be_in_its_own_code() -> None:
+    # Phase "data" runs from a step's end to the next forward; a checkpoint callback
+    # or a sleep between steps is in it too. A current stack without DataLoader
+    # frames says it is not getting a batch.
+    msgs = run_steps(steps=6, buffers=True)
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 6), 1: ("data", 6)}, t, 12, colls={0: BROADCAST})
+    msgs.append(stacks(1, t + 3 * S, step=6, phase="data"))
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [1]
+    assert "rank 1 is behind, between steps (in its own code" in f.message
+    assert "at /job/train.py:207 in _inject" in f.message
+    assert f.evidence["where"]["1"]["phase"] == "data"  # the telemetry as it came
+    assert f.evidence["stack"]["in_dataloader"] is False
+    assert f.fix.startswith("Rank 1 is between steps in its own code")
+    assert "DataLoader worker that died" not in f.fix
 
 
 def test_a_rank_between_steps_while_the_other_waits_in_the_loss_all_reduce() -> None:

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ddpscope.analysis.findings import Finding, FindingBook
@@ -296,8 +296,12 @@ class HangDetector:
         if signature == st.signature:
             return
         st.signature = signature
-        by_rank = {w.rank: w for w in live}
         stacks = [s for r in behind if (s := _stack_of(run, r)) is not None]
+        by_rank = {w.rank: w for w in live}
+        for s in stacks:
+            w = by_rank.get(s["rank"])
+            if w is not None:
+                by_rank[w.rank] = _as_its_stack_says(w, s)
         computing = {
             w.rank: st.busy[w.rank] for w in live if w.rank in behind and _computing(st, w)
         }
@@ -393,6 +397,19 @@ def _finished_cleanly(run: RunState) -> bool | None:
     if not ended or run.now_ns - last_end > silence:
         return None
     return False
+
+
+def _as_its_stack_says(w: Where, stack: dict[str, Any]) -> Where:
+    """``w`` in words its current stack bears out.
+
+    Phase "data" runs from one step's end to the next forward: a checkpoint
+    callback, logging or evaluation between steps (Lightning's and the HF
+    Trainer's hooks run there) are in it too. With a current stack that has
+    no DataLoader frame, the rank is not getting a batch: say "between steps".
+    """
+    if w.phase == "data" and stack.get("current") and stack.get("in_dataloader") is False:
+        return replace(w, phase="idle")
+    return w
 
 
 def _stack_of(run: RunState, rank: int) -> dict[str, Any] | None:
