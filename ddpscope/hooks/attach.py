@@ -11,6 +11,7 @@ warning if ddpscope itself fails.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -119,9 +120,12 @@ class _Process:
         sys.excepthook = self._on_uncaught
         self._install_sigterm()
         # The end runs after the exit work of libraries registered since ddpscope's
-        # import (ddpscope/_exit.py); else atexit runs handlers last-in first-out,
-        # this one before the publisher's own close.
-        deferred = _exit.defer(self.finish)
+        # import (ddpscope/_exit.py), and the publisher's close after the end (in
+        # case the end failed half-way): both there run last-in first-out, as
+        # atexit does here without it.
+        deferred = _exit.defer(functools.partial(self.publisher.close, "exit"))
+        if deferred:
+            _exit.defer(self.finish)
         self.publisher.start(close_at_exit=not deferred)
         if not deferred:
             import atexit
