@@ -42,6 +42,7 @@ from ddpscope.hooks.modelcheck import check_model, compiled_ddp, fabric_ddp
 from ddpscope.hooks.modulehook import _inert  # noqa: F401
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.samplers import SamplerProbe
+from ddpscope.hooks.signalwake import SignalWake, die_by
 from ddpscope.hooks.steps import StepTracker
 from ddpscope.schema import SCHEMA_VERSION, BucketLayout, Fingerprint, HParams, RunInfo
 
@@ -99,6 +100,10 @@ class _Process:
         self._finished = False
         self._finishing = False
         self._sigterm_pending = 0
+        # Who ends the rank: the main thread (finish) or, for a stop signal its
+        # handler could not run for, the publisher thread (end_from_publisher).
+        self._end_lock = threading.RLock()
+        self._wake: SignalWake | None = None
         self.sampler_probe = SamplerProbe(
             post=lambda kind, fields: self.publisher.post(kind, 0, fields),
             current_step=lambda: self.publisher.state.step,
@@ -166,12 +171,31 @@ class _Process:
         # Without a word from them, a report cannot tell the rank that died
         # first from the ones that were stopped. Only the default action is
         # replaced: a user's own handler (checkpoint on preemption) is left alone.
+        installed = []
         for sig in _END_SIGNALS:
             try:
                 if signal.getsignal(sig) is signal.SIG_DFL:
                     signal.signal(sig, self._on_sigterm)
+                    installed.append(sig)
             except (ValueError, OSError):  # not the main thread, or no signals here
-                return
+                break
+        if installed:
+            # A rank blocked in a collective runs no Python handler: the publisher
+            # thread hears the signal instead (ddpscope/hooks/signalwake.py).
+            wake = SignalWake(installed)
+            if wake.active:
+                self._wake = wake
+                self.publisher.watch_signals(wake, self.end_from_publisher)
+
+    def end_from_publisher(self, signum: int) -> None:
+        """On the publisher thread: a stop signal the main thread could not handle
+        within signalwake.GRACE_S. Record the end, then die by the signal."""
+        with self._end_lock:
+            if self._finished:
+                return  # the main thread is ending the rank (or has)
+            self._finished = True
+        self.publisher.close("signal", signal.Signals(signum).name)
+        die_by(signum)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._finishing:
@@ -190,9 +214,10 @@ class _Process:
             self._excepthook(exc_type, exc, tb)
 
     def finish(self, reason: str = "exit", error: str = "") -> None:
-        if self._finished:
-            return
-        self._finished = True
+        with self._end_lock:
+            if self._finished:
+                return
+            self._finished = True
         self._finishing = True
         if sys.excepthook == self._on_uncaught:
             sys.excepthook = self._excepthook
@@ -213,6 +238,8 @@ class _Process:
             self.publisher.close(reason, error)
         finally:
             self._finishing = False
+            if self._wake is not None:
+                self._wake.close()
             self._restore_sigterm()
 
     def _restore_sigterm(self) -> None:

@@ -26,6 +26,8 @@ from ddpscope.config import Options
 from ddpscope.hooks.fileio import FileWait
 from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.schedwait import RunQueueWait
+from ddpscope.hooks.signalwake import GRACE_S as SIGNAL_GRACE_S
+from ddpscope.hooks.signalwake import SignalWake
 from ddpscope.hooks.stacks import all_thread_stacks
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import (
@@ -128,6 +130,8 @@ class Publisher:
         self._periodic: list[Periodic] = []
         self._handlers: dict[str, Callable[[], None]] = {}
         self._host = host or HostProbe()
+        self._wake: SignalWake | None = None
+        self._on_unhandled_signal: Callable[[int], None] | None = None
         # The publisher is made by attach() on the thread that trains: its run-queue
         # wait is what tells a starved rank from a slow one (read on this thread).
         self._run_queue = RunQueueWait(threading.get_native_id())
@@ -213,6 +217,13 @@ class Publisher:
     def on_request(self, what: str, handler: Callable[[], None]) -> None:
         self._handlers[what] = handler
 
+    def watch_signals(self, wake: SignalWake, on_unhandled: Callable[[int], None]) -> None:
+        """Poll ``wake`` with the sockets; call ``on_unhandled(signum)`` on this thread
+        when a stop signal arrived and the main thread did not end the rank within
+        signalwake.GRACE_S (it is blocked inside torch). Before :meth:`start`."""
+        self._wake = wake
+        self._on_unhandled_signal = on_unhandled
+
     def start(self, close_at_exit: bool = True) -> None:
         """Start sending; ``close_at_exit=False`` when the caller closes it at exit."""
         self._thread.start()
@@ -232,6 +243,10 @@ class Publisher:
             poller.register(self._pub, zmq.POLLIN)
             for mon in self._monitors:
                 poller.register(mon, zmq.POLLIN)
+            wake = self._wake if self._wake is not None and self._wake.active else None
+            if wake is not None:
+                poller.register(wake.fileno(), zmq.POLLIN)
+            signalled: tuple[int, float] | None = None
             while not self._stop.is_set():
                 ready = dict(poller.poll(int(TICK_S * 1000)))
                 if ready:
@@ -243,6 +258,15 @@ class Publisher:
                         self._check_handshakes()
                     if self._ctl in self.handshakes.disconnected:
                         self._renew_control()
+                    if wake is not None and wake.fileno() in ready:
+                        arrived = wake.read()
+                        if arrived and signalled is None:
+                            signalled = (arrived[0], time.monotonic())
+                if signalled is not None and time.monotonic() - signalled[1] >= SIGNAL_GRACE_S:
+                    handler, self._on_unhandled_signal = self._on_unhandled_signal, None
+                    signum, signalled = signalled[0], None
+                    if handler is not None:
+                        handler(signum)  # ends the process unless the main thread got there
                 if self._held is not None and (
                     self.subscriptions or time.monotonic() >= self._hold_until
                 ):

@@ -4,6 +4,7 @@ rank's recording is whole, and the report names what happened to whom."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import psutil
 import pytest
 
 from ddpscope.record.reader import open_run
-from ddpscope.schema import Step
+from ddpscope.schema import Heartbeat, Step
 from tests.support.faults import (
     descendants,
     ends,
@@ -136,6 +137,36 @@ def test_a_rank_killed_from_outside_like_the_oom_killer_is_named_and_the_other_i
     assert "OOM killer" in finding["message"] and "dmesg" in finding["fix"]
     assert finding["evidence"]["stopped"]["1"]["pid"] == _pid_of(record, 1)
     assert "0" in finding["evidence"]["others"]  # what became of rank 0 is said too
+
+
+def _blocked_in_all_reduce(run_dir: Path, rank: int) -> bool:
+    try:
+        beats = [m for m in open_run(str(run_dir)).messages[rank] if isinstance(m, Heartbeat)]
+    except Exception:  # a record being written
+        return False
+    return bool(beats) and beats[-1].phase == "allreduce" and beats[-1].in_phase_s >= 1.0
+
+
+def test_a_rank_blocked_in_a_collective_ends_on_sigterm_at_once_and_says_so(job) -> None:
+    # Python runs signal handlers between bytecodes only: a rank waiting inside
+    # torch for an all-reduce never ran ddpscope's SIGTERM handler, and so ignored
+    # the SIGTERM torchrun or a scheduler sends until their SIGKILL (50 s here;
+    # 0.2 s without ddpscope). Rank 1 is stopped, so rank 0 waits for it for good.
+    proc, record = job
+    run_dir = _run_dir(record)
+    until(lambda: ranks_training(run_dir, 5), 120, "both ranks training")
+    other = _worker(proc, 1)
+    other.suspend()
+    try:
+        until(lambda: _blocked_in_all_reduce(run_dir, 0), 30, "rank 0 waiting in all-reduce")
+        blocked = _worker(proc, 0)
+        blocked.send_signal(signal.SIGTERM)
+        blocked.wait(timeout=20)  # before: psutil.TimeoutExpired (it waited for rank 1)
+    finally:
+        other.resume()
+    proc.communicate(timeout=120)
+    rec = open_run(str(record))
+    assert ends(rec)[0] == [("signal", "SIGTERM")]  # it still said why it ended
 
 
 def _pid_of(record: Path, rank: int) -> int:
