@@ -279,6 +279,27 @@ def test_a_rank_stuck_between_steps_outside_its_dataloader_is_said_to_be_in_its_
     assert "DataLoader worker that died" not in f.fix
 
 
+def test_every_rank_in_the_same_all_reduce_is_a_collective_that_never_completes() -> None:
+    # PowerSGD's hook on gloo deadlocks so: three ranks at step 10, bucket 3, none behind.
+    msgs = run_steps(world=3, steps=10)
+    t = end_of(msgs)
+    msgs += stuck({r: ("allreduce", 10) for r in range(3)}, t, 12)
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0, 1, 2]
+    assert "every rank waits in the same collective (waiting in all-reduce (bucket 3)" in f.message
+    assert "mismatched collectives" not in f.message
+    assert f.fix.startswith("All ranks reached this collective and wait in it")
+
+
+def test_ranks_waiting_in_different_collectives_launched_mismatched_ones() -> None:
+    msgs = run_steps(steps=20, loss_allreduce=True)
+    t = end_of(msgs)
+    msgs += stuck({0: ("collective", 20), 1: ("allreduce", 20)}, t, 10, colls={0: LOSS})
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert "not all in the same one: they launched mismatched collectives" in f.message
+    assert not f.fix.startswith("All ranks reached this collective")
+
+
 def test_a_rank_between_steps_while_the_other_waits_in_the_loss_all_reduce() -> None:
     msgs = run_steps(steps=20, loss_allreduce=True)
     t = end_of(msgs)

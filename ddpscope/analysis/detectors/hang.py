@@ -469,8 +469,14 @@ def _hang_message(
             )
         if stacks and stacks[0].get("at"):
             lead += f", at {stacks[0]['at']}"
+    elif len({w.position() for w in live}) > 1:
+        lead = "every rank waits in a collective, not all in the same one: they launched "
+        lead += "mismatched collectives"
     else:
-        lead = "every rank waits in a collective: they launched mismatched collectives"
+        lead = (
+            f"every rank waits in the same collective ({live[0].describe()}): none is "
+            "behind, the collective itself does not complete"
+        )
     tail = ""
     if others:
         groups = _groups(others)
@@ -514,6 +520,14 @@ _COMPUTING_HINT = (
 )
 
 
+#: Every rank in the same collective, at the same step and place, and it never completes.
+_SAME_COLLECTIVE_HINT = (
+    "All ranks reached this collective and wait in it: tensors whose shapes or dtypes "
+    "differ between ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL checks them), a communication "
+    "hook or backend that deadlocks (PowerSGD on gloo does), or a connection between two "
+    "ranks that dropped; on NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING and the Flight Recorder "
+    "(TORCH_FR_BUFFER_SIZE) show which peer stopped answering."
+)
 #: A behind rank blocked on a regular file (Heartbeat.io_op, io_path) for minutes.
 _WRITING_HINT = (
     "Rank {r} has been blocked writing {path} for over {m:.0f} minutes while the others "
@@ -549,7 +563,15 @@ def _hang_fix(
 ) -> str:
     parts = []
     first = by_rank.get(behind[0]) if by_rank and behind else None
-    if first is not None and computing and first.rank in computing:
+    waiting = list(by_rank.values()) if by_rank else []
+    if (
+        waiting
+        and len(behind) == len(waiting)
+        and all(w.waiting for w in waiting)
+        and len({w.position() for w in waiting}) == 1
+    ):
+        parts.append(_SAME_COLLECTIVE_HINT)
+    elif first is not None and computing and first.rank in computing:
         parts.append(_COMPUTING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
     elif first is not None and first.in_file_io:
         hint = _READING_HINT if first.io_op == "read" else _WRITING_HINT
