@@ -77,6 +77,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--desync-rank", type=int, default=-1, help="edit this rank's weights")
     p.add_argument("--desync-step", type=int, default=5)
     p.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL this rank ...")
+    p.add_argument(
+        "--abort-rank", type=int, default=-1, help="abort this rank at --kill-step (native crash)"
+    )
     p.add_argument("--kill-step", type=int, default=5, help="... at this step")
     p.add_argument("--hang-rank", type=int, default=-1, help="this rank stops at --hang-step")
     p.add_argument("--hang-step", type=int, default=5)
@@ -361,6 +364,8 @@ def _inject(args: argparse.Namespace, rank: int, step: int, model: nn.Module) ->
             next(model.parameters()).add_(1e-3)
     if rank == args.kill_rank and step == args.kill_step:
         os.kill(os.getpid(), signal.SIGKILL)
+    if rank == args.abort_rank and step == args.kill_step:
+        os.abort()  # what a failed check in gloo or NCCL does (SIGABRT)
     if rank == args.hang_rank and step == args.hang_step and args.hang_phase == "between":
         time.sleep(args.hang_s)
     if rank == args.raise_rank and step == args.raise_step:

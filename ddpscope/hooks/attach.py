@@ -124,6 +124,7 @@ class _Process:
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
         self._install_sigterm()
+        _enable_crash_stacks()
         # The end runs after the exit work of libraries registered since ddpscope's
         # import (ddpscope/_exit.py), and the publisher's close after the end (in
         # case the end failed half-way): both there run last-in first-out, as
@@ -543,6 +544,27 @@ class InertHandle:
 
     def close(self) -> None:
         pass
+
+
+def _enable_crash_stacks() -> None:
+    """Every thread's Python stack in the job's output when the rank dies in native code.
+
+    A rank that gloo or NCCL aborts (a collective mismatch), or that segfaults,
+    sends no end message: its record only stops, and the report cannot tell
+    that from a SIGKILL. Python's faulthandler prints the stacks to stderr
+    first, which torchrun's output (``job.log`` beside the recording under
+    ``ddpscope run`` with the UI) keeps; the process still dies by its signal.
+    Left alone where it is on already (PYTHONFAULTHANDLER, pytest, the user's).
+    """
+    import faulthandler
+
+    stderr = sys.__stderr__
+    if faulthandler.is_enabled() or stderr is None:
+        return
+    try:
+        faulthandler.enable(file=stderr, all_threads=True)
+    except (OSError, ValueError, RuntimeError, AttributeError):
+        pass  # no usable stderr (closed, not a file): nothing to print into
 
 
 def attach(model: Any, **options: Any) -> Handle | InertHandle:

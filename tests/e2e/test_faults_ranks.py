@@ -169,6 +169,31 @@ def test_a_rank_blocked_in_a_collective_ends_on_sigterm_at_once_and_says_so(job)
     assert ends(rec)[0] == [("signal", "SIGTERM")]  # it still said why it ended
 
 
+def test_a_rank_that_dies_in_native_code_leaves_its_python_stack_in_the_jobs_output(
+    tmp_path: Path,
+) -> None:
+    # gloo aborts a rank whose collective sizes differ from its peers' (SIGABRT, no
+    # end message): the record only stops. faulthandler, turned on by ddpscope,
+    # prints where in Python it was; without it the output has no stack at all.
+    record = tmp_path / "rec"
+    env = job_env(DDPSCOPE_RECORD=str(record), DDPSCOPE_ENDPOINT=f"ipc://{tmp_path}/w.sock")
+    proc = subprocess.run(
+        torchrun_demo("--epochs", "2", "--abort-rank", "1", "--kill-step", "5"),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode != 0
+    dump = proc.stderr[proc.stderr.index("Fatal Python error: Aborted") :]
+    assert 'demos/train.py", line' in dump and "in _inject" in dump, dump[:3000]
+    report = _report(record)
+    (finding,) = [f for f in report["findings"] if f["kind"] == "rank_exit"]
+    assert finding["ranks"] == [1]
+    assert "'Fatal Python error' line" in finding["fix"]
+
+
 def _pid_of(record: Path, rank: int) -> int:
     (path,) = next(record.iterdir()).glob(f"rank-{rank:05d}-*.ddps")
     return int(path.stem.split("-")[2])

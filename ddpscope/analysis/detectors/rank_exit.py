@@ -451,8 +451,11 @@ def _exit_fix(run: RunState, first: _Stop) -> str:
     if first.how == "vanished":
         return (
             f"Read the launcher's log for rank {first.rank}'s exit code{pid} and the kernel log"
-            f"{host} (`dmesg`: 'Out of memory: Killed process'). Errors on other ranks after "
-            "that moment are consequences of the lost peer."
+            f"{host} (`dmesg`: 'Out of memory: Killed process'). A crash in native code (an "
+            "abort in gloo or NCCL, such as a collective whose sizes differ between ranks; a "
+            "segfault) prints the rank's Python stacks in the job's output first, under a "
+            "'Fatal Python error' line. Errors on other ranks after that moment are "
+            "consequences of the lost peer."
         )
     if first.how == "exception":
         known = _known_ddp_error(info.ddp if info else {}, _error_of(run, first.rank))
