@@ -41,6 +41,16 @@ def defer(ender: Callable[[], None]) -> bool:
     return True
 
 
+def end_at_exit(end: Callable[[], None], close: Callable[[], None]) -> None:
+    """At exit, ``end`` and then ``close`` (which runs even if ``end`` failed half-way):
+    from the early handler where there is one, else through atexit."""
+    if defer(close):
+        defer(end)  # both run last-in first-out
+    else:
+        atexit.register(close)
+        atexit.register(end)
+
+
 def _run() -> None:
     while _enders:
         ender = _enders.pop()

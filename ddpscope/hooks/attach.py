@@ -32,7 +32,16 @@ from torch.optim.optimizer import (
 from ddpscope import _exit, config
 from ddpscope.config import ConfigError, Options
 from ddpscope.hooks import backward as backward_calls
-from ddpscope.hooks import bucket_cost, collectives, comm, compiled, forward, recipe, runinfo
+from ddpscope.hooks import (
+    bucket_cost,
+    collectives,
+    comm,
+    compiled,
+    crashstacks,
+    forward,
+    recipe,
+    runinfo,
+)
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
 from ddpscope.hooks.host import HostProbe
@@ -124,19 +133,10 @@ class _Process:
         self._excepthook = sys.excepthook
         sys.excepthook = self._on_uncaught
         self._install_sigterm()
-        _enable_crash_stacks()
-        # The end runs after the exit work of libraries registered since ddpscope's
-        # import (ddpscope/_exit.py), and the publisher's close after the end (in
-        # case the end failed half-way): both there run last-in first-out, as
-        # atexit does here without it.
-        deferred = _exit.defer(functools.partial(self.publisher.close, "exit"))
-        if deferred:
-            _exit.defer(self.finish)
-        self.publisher.start(close_at_exit=not deferred)
-        if not deferred:
-            import atexit
-
-            atexit.register(self.finish)
+        crashstacks.enable()
+        self.publisher.start(close_at_exit=False)
+        # After the exit work of libraries registered since ddpscope's import.
+        _exit.end_at_exit(self.finish, functools.partial(self.publisher.close, "exit"))
 
     def _training(self) -> bool:
         return torch.is_grad_enabled() and any(h.model.training for h in self.handles)
@@ -180,13 +180,12 @@ class _Process:
                     installed.append(sig)
             except (ValueError, OSError):  # not the main thread, or no signals here
                 break
-        if installed:
-            # A rank blocked in a collective runs no Python handler: the publisher
-            # thread hears the signal instead (ddpscope/hooks/signalwake.py).
-            wake = SignalWake(installed)
-            if wake.active:
-                self._wake = wake
-                self.publisher.watch_signals(wake, self.end_from_publisher)
+        # A rank blocked in a collective runs no Python handler: the publisher thread
+        # hears the signal instead (ddpscope/hooks/signalwake.py).
+        wake = SignalWake(installed) if installed else None
+        if wake is not None and wake.active:
+            self._wake = wake
+            self.publisher.watch_signals(wake, self.end_from_publisher)
 
     def end_from_publisher(self, signum: int) -> None:
         """On the publisher thread: a stop signal the main thread could not handle
@@ -544,27 +543,6 @@ class InertHandle:
 
     def close(self) -> None:
         pass
-
-
-def _enable_crash_stacks() -> None:
-    """Every thread's Python stack in the job's output when the rank dies in native code.
-
-    A rank that gloo or NCCL aborts (a collective mismatch), or that segfaults,
-    sends no end message: its record only stops, and the report cannot tell
-    that from a SIGKILL. Python's faulthandler prints the stacks to stderr
-    first, which torchrun's output (``job.log`` beside the recording under
-    ``ddpscope run`` with the UI) keeps; the process still dies by its signal.
-    Left alone where it is on already (PYTHONFAULTHANDLER, pytest, the user's).
-    """
-    import faulthandler
-
-    stderr = sys.__stderr__
-    if faulthandler.is_enabled() or stderr is None:
-        return
-    try:
-        faulthandler.enable(file=stderr, all_threads=True)
-    except (OSError, ValueError, RuntimeError, AttributeError):
-        pass  # no usable stderr (closed, not a file): nothing to print into
 
 
 def attach(model: Any, **options: Any) -> Handle | InertHandle:

@@ -71,6 +71,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ddpscope.analysis.detectors import hang_hints as hints
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.position import (
     EXIT_REASONS,
@@ -489,61 +490,6 @@ def _hang_message(
     return f"{head}: {lead}{tail}."
 
 
-#: What a rank stuck outside every collective is likely doing, by phase.
-_BEHIND_HINTS = {
-    "data": (
-        "Rank {r} is stuck getting its next batch: a DataLoader worker that died or hangs, "
-        "blocking reads from storage or the network, a lock shared with another thread."
-    ),
-    "idle": (
-        "Rank {r} is between steps in its own code (after optimizer.step(), before its next "
-        "forward): logging, checkpointing, evaluation or a sleep on that rank only."
-    ),
-    "forward": (
-        "Rank {r} is inside its forward: a rank-dependent branch, a custom op that blocks, or "
-        "a device that stopped responding."
-    ),
-    "save": (
-        "Rank {r} has been inside torch.save for minutes while the others wait: storage that "
-        "stopped answering (a network file system), a full disk, or a checkpoint too large "
-        "to write within the collective timeout. Write to local disk and copy in the "
-        "background, or save asynchronously (torch.distributed.checkpoint.async_save)."
-    ),
-}
-_BEHIND_HINTS["backward"] = _BEHIND_HINTS["forward"].replace("forward", "backward")
-#: A behind rank that computes (runnable most of the time) outside every collective.
-_COMPUTING_HINT = (
-    "Rank {r} has been computing outside any collective for over {m:.0f} minutes while the "
-    "others wait: evaluation, metrics or preprocessing run on that rank only, or a loop "
-    "that does not end. Run such work on every rank (each on its shard) or outside the "
-    "training job, or check the loop in its stack."
-)
-
-
-#: Every rank in the same collective, at the same step and place, and it never completes.
-_SAME_COLLECTIVE_HINT = (
-    "All ranks reached this collective and wait in it: tensors whose shapes or dtypes "
-    "differ between ranks (TORCH_DISTRIBUTED_DEBUG=DETAIL checks them), a communication "
-    "hook or backend that deadlocks (PowerSGD on gloo does), or a connection between two "
-    "ranks that dropped; on NCCL, TORCH_NCCL_ASYNC_ERROR_HANDLING and the Flight Recorder "
-    "(TORCH_FR_BUFFER_SIZE) show which peer stopped answering."
-)
-#: A behind rank blocked on a regular file (Heartbeat.io_op, io_path) for minutes.
-_WRITING_HINT = (
-    "Rank {r} has been blocked writing {path} for over {m:.0f} minutes while the others "
-    "wait: storage that stopped answering (a network file system), a full disk, or a "
-    "checkpoint too large to write within the collective timeout. Write to local disk and "
-    "copy in the background, or save asynchronously (torch.distributed.checkpoint."
-    "async_save, Lightning's AsyncCheckpointIO)."
-)
-_READING_HINT = (
-    "Rank {r} has been blocked reading {path} for over {m:.0f} minutes while the others "
-    "wait: storage that stopped answering (a network file system), or a large read on "
-    "the training thread. Read data in DataLoader workers (num_workers > 0), and stage "
-    "large files on local disk first."
-)
-
-
 def _computing(st: _HangRun, w: Where) -> bool:
     """Outside every collective and runnable at least BUSY_SHARE of its last interval."""
     return (
@@ -570,14 +516,14 @@ def _hang_fix(
         and all(w.waiting for w in waiting)
         and len({w.position() for w in waiting}) == 1
     ):
-        parts.append(_SAME_COLLECTIVE_HINT)
+        parts.append(hints.SAME_COLLECTIVE_HINT)
     elif first is not None and computing and first.rank in computing:
-        parts.append(_COMPUTING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
+        parts.append(hints.COMPUTING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
     elif first is not None and first.in_file_io:
-        hint = _READING_HINT if first.io_op == "read" else _WRITING_HINT
+        hint = hints.READING_HINT if first.io_op == "read" else hints.WRITING_HINT
         parts.append(hint.format(r=first.rank, m=HANG_OWN_WORK_S / 60, path=first.io_path))
-    elif first is not None and first.phase in _BEHIND_HINTS:
-        parts.append(_BEHIND_HINTS[first.phase].format(r=first.rank))
+    elif first is not None and first.phase in hints.BEHIND_HINTS:
+        parts.append(hints.BEHIND_HINTS[first.phase].format(r=first.rank))
     if stacks:
         parts.append(
             f"Look at rank {stacks[0]['rank']}'s stack in the evidence: that is where it is "
