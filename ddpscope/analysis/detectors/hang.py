@@ -71,7 +71,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ddpscope.analysis.detectors import hang_hints as hints
+from ddpscope.analysis import hang_hints as hints
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.position import (
     EXIT_REASONS,
