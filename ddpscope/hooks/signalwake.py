@@ -110,21 +110,8 @@ def _forget_in_child() -> None:
     # A forked child (a DataLoader worker) inherits the wakeup file: a SIGTERM
     # it gets would write to the parent's pipe, and the parent's publisher
     # thread would end the parent. The forking thread is the child's main one.
-    wake = _current
-    if wake is None or wake._w < 0:
-        return
-    try:
-        previous = signal.set_wakeup_fd(-1)
-        if previous not in (-1, wake._w):
-            signal.set_wakeup_fd(previous)  # someone else's: theirs stays
-    except (ValueError, OSError):
-        pass
-    for fd in (wake._r, wake._w):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    wake._r = wake._w = -1
+    if _current is not None:
+        _current.close()
 
 
 if hasattr(os, "register_at_fork"):
