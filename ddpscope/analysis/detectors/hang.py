@@ -306,7 +306,10 @@ class HangDetector:
         computing = {
             w.rank: st.busy[w.rank] for w in live if w.rank in behind and _computing(st, w)
         }
-        message = _hang_message(behind, live, dark, by_rank, stacks, stalled, limit, computing)
+        together = _stuck_together(live, behind, dark)
+        message = _hang_message(
+            behind, live, dark, by_rank, stacks, stalled, limit, computing, together
+        )
         evidence: dict[str, Any] = {
             "stalled_s": round(stalled, 1),
             "threshold_s": round(limit, 1),
@@ -335,7 +338,7 @@ class HangDetector:
                 step=step,
                 epoch=epoch_of(run, behind),
                 message=message,
-                fix=_hang_fix(run, behind, stacks, by_rank, computing),
+                fix=_hang_fix(run, behind, stacks, by_rank, computing, together),
                 evidence=evidence,
                 last_step=step,
             ),
@@ -413,6 +416,17 @@ def _as_its_stack_says(w: Where, stack: dict[str, Any]) -> Where:
     return w
 
 
+def _stuck_together(live: list[Where], behind: list[int], dark: list[int]) -> bool:
+    """Every rank is live, waits, and at one position: none is behind the others,
+    the collective they are all in does not complete."""
+    return (
+        not dark
+        and sorted(behind) == sorted(w.rank for w in live)
+        and all(w.waiting for w in live)
+        and len({w.position() for w in live}) == 1
+    )
+
+
 def _stack_of(run: RunState, rank: int) -> dict[str, Any] | None:
     view = run.ranks.get(rank)
     return stack_evidence(view) if view is not None else None
@@ -448,6 +462,7 @@ def _hang_message(
     stalled: float,
     limit: float,
     computing: dict[int, float] | None = None,
+    together: bool = False,
 ) -> str:
     head = f"No rank has completed a step for {stalled:.1f} s (limit {limit:.1f} s)"
     others = [w for w in live if w.rank not in behind]
@@ -470,7 +485,7 @@ def _hang_message(
             )
         if stacks and stacks[0].get("at"):
             lead += f", at {stacks[0]['at']}"
-    elif len({w.position() for w in live}) > 1:
+    elif not together:
         lead = "every rank waits in a collective, not all in the same one: they launched "
         lead += "mismatched collectives"
     else:
@@ -506,16 +521,11 @@ def _hang_fix(
     stacks: list[dict[str, Any]],
     by_rank: dict[int, Where] | None = None,
     computing: dict[int, float] | None = None,
+    together: bool = False,
 ) -> str:
     parts = []
     first = by_rank.get(behind[0]) if by_rank and behind else None
-    waiting = list(by_rank.values()) if by_rank else []
-    if (
-        waiting
-        and len(behind) == len(waiting)
-        and all(w.waiting for w in waiting)
-        and len({w.position() for w in waiting}) == 1
-    ):
+    if together:
         parts.append(hints.SAME_COLLECTIVE_HINT)
     elif first is not None and computing and first.rank in computing:
         parts.append(hints.COMPUTING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
