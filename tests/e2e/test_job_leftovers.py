@@ -7,8 +7,6 @@ stops none of them. Real processes throughout, and one real torchrun job.
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -19,6 +17,7 @@ import psutil
 import pytest
 
 from ddpscope.cli import launch
+from tests.support.faults import alive, kill_all
 from tests.support.torchrun import ROOT, job_env
 
 DDPSCOPE = [sys.executable, "-m", "ddpscope"]
@@ -54,40 +53,32 @@ STRAYS = textwrap.dedent(
 )
 
 
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _running(pids: list[int]) -> list[int]:
+def _procs(pids: list[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` that still exist (for faults.alive and kill_all)."""
     out = []
     for pid in pids:
         try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                out.append(pid)
+            out.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+def _headless_run(record: Path, *command: str) -> list[str]:
+    return [*DDPSCOPE, "run", "--headless", "--record", str(record), *command]
+
+
+def _finished(argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        argv, env=job_env(), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
 
 
 def test_run_stops_what_the_job_left_running_and_names_it(tmp_path: Path) -> None:
     # The strays keep the job's stdout open: without the stop, reading the
     # launcher's output to its end (a `| tee`) would wait for them.
     proc = subprocess.Popen(
-        [
-            *DDPSCOPE,
-            "run",
-            "--headless",
-            "--record",
-            str(tmp_path),
-            "--",
-            sys.executable,
-            "-c",
-            STRAYS,
-        ],
+        _headless_run(tmp_path, "--", sys.executable, "-c", STRAYS),
         env=job_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -96,38 +87,23 @@ def test_run_stops_what_the_job_left_running_and_names_it(tmp_path: Path) -> Non
     )
     assert proc.stdout is not None
     pids = [int(p) for p in proc.stdout.readline().split()]
+    strays = _procs(pids)
     try:
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 3  # the command's own status
-        assert _running(pids) == []
+        assert alive(strays) == []
         lines = [line for line in err.splitlines() if "still running" in line]
         assert len(lines) == 1, err
         assert "3 of its processes" in lines[0]
         assert all(f"pid {pid} (" in lines[0] for pid in pids), lines[0]
     finally:
         proc.kill()
-        _kill(pids)
+        kill_all(strays)
 
 
 def test_a_job_that_leaves_nothing_gets_no_word_about_it(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            *DDPSCOPE,
-            "run",
-            "--headless",
-            "--record",
-            str(tmp_path),
-            "--",
-            sys.executable,
-            "-c",
-            "import subprocess, sys; subprocess.run([sys.executable, '-c', ''])",
-        ],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', ''])"
+    proc = _finished(_headless_run(tmp_path, "--", sys.executable, "-c", child), timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "still running" not in proc.stderr
 
@@ -143,6 +119,7 @@ def test_a_polled_job_stops_its_leftovers_without_waiting_for_them(tmp_path: Pat
     assert isinstance(job, launch.Job)
     assert job.process.stdout is not None
     pids = [int(p) for p in job.process.stdout.readline().split()]
+    strays = _procs(pids)
     try:
         deadline = time.monotonic() + 30
         while job.poll() is None:
@@ -152,52 +129,33 @@ def test_a_polled_job_stops_its_leftovers_without_waiting_for_them(tmp_path: Pat
         assert job.poll() == 3
         assert time.monotonic() - started < 0.5  # the SIGTERM grace is not spent here
         deadline = time.monotonic() + 30
-        while _running(pids):
-            assert time.monotonic() < deadline, _running(pids)
+        while alive(strays):
+            assert time.monotonic() < deadline, alive(strays)
             time.sleep(0.05)
         assert job.wait(timeout=30) == 3
         assert sorted(int(s.split()[1]) for s in job.stopped) == sorted(pids)
     finally:
         job.process.kill()
-        _kill(pids)
+        kill_all(strays)
 
 
 @pytest.mark.torchrun
 def test_run_stops_what_a_torchrun_jobs_ranks_left_running(tmp_path: Path) -> None:
     strays = tmp_path / "strays"
     strays.mkdir()
-    proc = subprocess.run(
-        [
-            *DDPSCOPE,
-            "run",
-            "--headless",
-            "--record",
-            str(tmp_path / "rec"),
-            "--run-id",
-            "t",
-            "--endpoint",
-            f"ipc://{tmp_path}/w.sock",
-            "--",
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=2",
-            str(ROOT / "tests" / "jobs" / "stray_job.py"),
-            str(strays),
-        ],
-        env=job_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-    )
+    argv = _headless_run(tmp_path / "rec", "--run-id", "t",
+                         "--endpoint", f"ipc://{tmp_path}/w.sock", "--",
+                         sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc_per_node=2", str(ROOT / "tests" / "jobs" / "stray_job.py"),
+                         str(strays))  # fmt: skip
+    proc = _finished(argv, timeout=180)
     pids = [int(p.name.split("-")[1]) for p in strays.iterdir()]
+    left = _procs(pids)
     try:
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert proc.stdout.count(" done") == 2
         assert len(pids) == 3  # one per rank, and rank 0's daemon
-        assert _running(pids) == []
+        assert alive(left) == []
         assert "3 of its processes still running" in proc.stderr
     finally:
-        _kill(pids)
+        kill_all(left)
