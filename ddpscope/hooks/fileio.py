@@ -15,11 +15,11 @@ hex (the first is the file descriptor for the calls here); ``running`` while
 it runs, even inside a system call (a large read from the page cache): such
 a thread computes, and the hang rule counts it so by its runnable time. The
 file is opened once and read with one ``pread`` per heartbeat on the
-publisher thread (~20 us); the kernel answers for a thread on a CPU at once,
-without waiting for it. The descriptor is this process's own, so
-``fstat`` tells a regular file (storage) from a pipe or a socket (a DataLoader
-queue, a collective: waits on others, which say nothing here), and
-``/proc/self/fd`` names it.
+publisher thread (4-7 us; 30-40 us when it names a file: benchmarks/file_wait.py);
+the kernel answers for a thread on a CPU at once, without waiting for it.
+The descriptor is this process's own, so ``fstat`` tells a regular file
+(storage) from a pipe or a socket (a DataLoader queue, a collective: waits on
+others, which say nothing here), and ``/proc/self/fd`` names it.
 
 Elsewhere (no ``/proc``, an architecture without a table below) every
 sample is empty and the wire fields keep their defaults.
