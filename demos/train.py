@@ -107,6 +107,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="destroy the process group from an atexit handler registered after init, as "
         "Lightning does for NCCL (with --no-destroy: the script itself does not)",
     )
+    p.add_argument(
+        "--resume",
+        default="",
+        help="load a --checkpoint file's 'model' into model.module after attaching",
+    )
     p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises ...")
     p.add_argument("--raise-step", type=int, default=3, help="... at this step")
     # healthy patterns that must not raise findings
@@ -235,6 +240,9 @@ def main(argv: list[str] | None = None) -> None:
         model.register_comm_hook(dist.group.WORLD, default_hooks.fp16_compress_hook)
     if not args.no_attach:
         ddpscope.attach(model)
+    if args.resume:
+        # Into the plain model: fails with the 'module.' keys of --save-ddp-state.
+        model.module.load_state_dict(torch.load(args.resume, weights_only=True)["model"])
     if args.comm_hook == "fp16-after":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

@@ -65,16 +65,26 @@ def error_line(text: str) -> str:
 
     Some torch errors append an ``At:`` list of frames after the message, and
     chained exceptions repeat blocks; the line after the last block's frames
-    is the one that names the error.
+    is the one that names the error. A line that ends in a colon introduces
+    its detail on the next, indented line (``Error(s) in loading state_dict
+    for Net:`` then ``Missing key(s) ...``): the two are joined.
     """
     lines = text.rstrip().splitlines()
     starts = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call")]
     if starts:
-        for ln in lines[starts[-1] + 1 :]:
+        for i in range(starts[-1] + 1, len(lines)):
+            ln = lines[i]
             if ln.strip() and not ln.startswith((" ", "\t")):
-                return ln.strip()[:300]
-    named = [ln.strip() for ln in lines if _EXC_LINE.match(ln)]
+                return _with_detail(lines, i)
+    named = [i for i, ln in enumerate(lines) if _EXC_LINE.match(ln)]
     if named:
-        return named[-1][:300]
+        return _with_detail(lines, named[-1])
     rest = [ln.strip() for ln in lines if ln.strip()]
     return rest[-1][:300] if rest else ""
+
+
+def _with_detail(lines: list[str], i: int) -> str:
+    line = lines[i].strip()
+    if line.endswith(":") and i + 1 < len(lines) and lines[i + 1].startswith("\t"):
+        line = f"{line} {lines[i + 1].strip()}"
+    return line if len(line) <= 300 else line[:296] + " ..."

@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -207,7 +206,7 @@ class _Process:
         self.finish(reason="signal", error=signal.Signals(signum).name)
 
     def _on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        text = "".join(traceback.format_exception(exc_type, exc, tb))[-4000:]
+        text = crashstacks.bounded_traceback(exc_type, exc, tb)
         try:
             self.finish(reason="exception", error=text)
         finally:

@@ -138,10 +138,10 @@ def test_every_rank_writing_one_checkpoint_path_is_a_warning(misconfigured: Any)
     assert all("train.py" in s and "_epoch_end" in s for s in f["evidence"]["sites"].values())
 
 
-def test_saving_the_ddp_wrappers_state_dict_is_a_warning(misconfigured: Any) -> None:
+def test_saving_the_ddp_wrappers_state_dict_is_info(misconfigured: Any) -> None:
     (f,) = [f for f in of_kind(misconfigured, "checkpoint_all_ranks") if "what" in f["evidence"]]
     assert f["evidence"] == {**f["evidence"], "what": "ddp_state_dict", "key": "model"}
-    assert "'module.' prefix" in f["message"] and f["severity"] == "warning"
+    assert "'module.' prefix" in f["message"] and f["severity"] == "info"
 
 
 def test_dataparallel_inside_ddp_is_a_warning(misconfigured: Any) -> None:
@@ -281,3 +281,27 @@ def test_an_exception_while_the_other_rank_waits_is_reported_with_its_traceback(
     assert "RuntimeError: injected failure on rank 1 at step 2" in trace
     # Its process group died with it: rank_exit says so, no_destroy_process_group does not.
     assert of_kind(doc, "no_destroy_process_group") == []
+
+
+def test_resuming_a_wrapper_checkpoint_into_the_plain_model_is_told_the_prefix(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # A checkpoint with DDP's keys ('module.' + the model's: what the wrapper's
+    # state_dict() holds), loaded into model.module by every rank at start.
+    import torch
+
+    from demos.train import build_model
+
+    ck = tmp_path / "ck.pt"
+    state = {f"module.{k}": v for k, v in build_model(256, 4).state_dict().items()}
+    torch.save({"epoch": 0, "model": state}, ck)
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--epochs", "1", "--resume", str(ck), check=False)
+    (f,) = of_kind(report_of(rec), "rank_exit")
+    assert f["ranks"] == [0, 1] and f["step"] == 0
+    assert (
+        "raised RuntimeError: Error(s) in loading state_dict for Sequential: Missing"
+        in (f["message"])
+    )
+    assert "saved from the DDP wrapper" in f["fix"]
+    assert "consume_prefix_in_state_dict_if_present" in f["fix"]

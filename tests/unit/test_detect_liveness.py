@@ -623,6 +623,57 @@ def test_the_assert_named_is_what_torch_raises_for_a_static_graph_under_no_sync(
         model(torch.randn(2, 4)).sum().backward()
 
 
+def _load_error(load: Any) -> str:
+    """The end message's text for the RuntimeError ``load()`` raises, as a rank sends it."""
+    from ddpscope.hooks.crashstacks import bounded_traceback
+
+    try:
+        load()
+    except RuntimeError as e:
+        return bounded_traceback(type(e), e, e.__traceback__)
+    raise AssertionError("the state_dict loaded")
+
+
+@pytest.mark.parametrize("saved_from", ["wrapper", "plain"])
+def test_a_state_dict_that_misses_the_module_prefix_is_told_which_side_has_it(
+    world_of_one: None, saved_from: str
+) -> None:
+    # The most asked DDP checkpoint error, with torch's real text: a checkpoint of
+    # the wrapper loaded into the plain model, or the reverse. 150 layers make each
+    # key list longer than the whole traceback an end message carries.
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(2, 2)] * 150))
+    if saved_from == "wrapper":
+        error = _load_error(lambda: model.module.load_state_dict(model.state_dict()))
+    else:
+        error = _load_error(lambda: model.load_state_dict(model.module.state_dict()))
+    assert len(error) <= 4000
+    msgs = [*run_infos(2), *lockstep(2, 1, constant())]
+    t = end_of(msgs)
+    msgs += [end(r, 1, t + MS * (r + 1), "exception", error) for r in range(2)]
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert "Error(s) in loading state_dict for " in f.message and ": Missing key(s)" in f.message
+    if saved_from == "wrapper":
+        assert "saved from the DDP wrapper" in f.fix
+        assert "consume_prefix_in_state_dict_if_present" in f.fix
+    else:
+        assert "ddp_model.module.load_state_dict(state)" in f.fix
+
+
+def test_a_state_dict_error_without_the_prefix_keeps_the_tracebacks_fix() -> None:
+    error = TRACEBACK.rsplit("\n", 2)[0] + (
+        "\nRuntimeError: Error(s) in loading state_dict for Net:\n"
+        "\tsize mismatch for fc.weight: copying a param with shape torch.Size([4, 2]).\n"
+    )
+    msgs = [*run_infos(2), *lockstep(2, 1, constant())]
+    msgs.append(end(0, 1, end_of(msgs) + MS, "exception", error))
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert "size mismatch for fc.weight" in f.message
+    assert "module." not in f.fix and "traceback" in f.fix
+
+
 def test_all_ranks_in_all_reduce_at_different_buckets() -> None:
     msgs = run_steps(world=4, steps=30)
     t = end_of(msgs)

@@ -1,8 +1,15 @@
 """Recipe check: ``checkpoint_all_ranks`` (warning; info when only ranks on different
-hosts share a path).
+hosts share a path, and for the wrapper's ``state_dict()``).
 
 Two or more ranks ``torch.save`` to one path, or a rank saves the DDP
 wrapper's ``state_dict()`` (``module.``-prefixed keys) or the wrapper itself.
+
+The wrapper's ``state_dict()`` is info, not a warning: PyTorch's own DDP
+tutorial and its ImageNet example save it and load it back into the wrapper,
+which works. It only fails where the file is loaded into the plain model
+(inference, fine-tuning, another script); when that happens in a watched
+rank, ``rank_exit`` names the prefix in its fix. Pickling the wrapper itself
+stays a warning: the file then needs DDP's classes and a process group.
 
 From what the ranks' recipe probe (ddpscope/hooks/recipe.py) reports; no torch here.
 """
@@ -131,12 +138,14 @@ class CheckpointDetector:
         else:
             what = (
                 f"the DDP wrapper's state_dict() to {first.path}{where_text}: its keys carry the "
-                "'module.' prefix ('module.0.weight'), so loading it into the plain model fails "
-                "with missing and unexpected keys"
+                "'module.' prefix ('module.0.weight'). It loads back into a DDP-wrapped model "
+                "(resuming this script); loading it into the plain model (inference, "
+                "fine-tuning, another script) fails with missing and unexpected keys"
             )
+        pickled = any(s.what == "ddp_module" for s in saves.values())
         return Finding(
             kind="checkpoint_all_ranks",
-            severity="warning",
+            severity="warning" if pickled else "info",
             ranks=ranks,
             step=min(s.step for s in saves.values()),
             message=f"{cap(ranks_phrase(ranks))} saved {what}.",
