@@ -969,6 +969,26 @@ def test_a_later_different_error_is_a_consequence() -> None:
     assert f.evidence["others"]["0"]["consequence_of"] == 1  # points to the first failure
 
 
+@pytest.mark.parametrize("gap_ms", [10, 1000])
+def test_consequences_that_differ_among_themselves_are_still_consequences(gap_ms: int) -> None:
+    # Found on a real 3-rank job: rank 1 raised, ranks 0 and 2 then lost their
+    # connection, each naming its own peer port. Rank 0's error differs from rank
+    # 2's, but both come after rank 1's: rank 0 is not a first failure. With a
+    # gap, the analysis first sees rank 1 raise while nobody went further yet;
+    # the message must follow what came after.
+    msgs = run_steps(world=3, steps=10)
+    t = end_of(msgs)
+    msgs.append(end(1, 10, t + MS, "exception", TRACEBACK))
+    msgs += [step_at(r, 10, t + gap_ms * MS) for r in (0, 2)]
+    lost = "RuntimeError: Connection closed by peer [127.0.0.1]:{}. This is typically caused"
+    msgs.append(end(0, 11, t + (gap_ms + 10) * MS, "exception", lost.format(32436)))
+    msgs.append(end(2, 11, t + (gap_ms + 11) * MS, "exception", lost.format(52112)))
+    (f,) = kinds(analyze(msgs))["rank_exit"]
+    assert f.ranks == [1], f.message
+    assert "while ranks 0, 2 went on (to step 11); ranks 0, 2 then failed too" in f.message
+    assert {q: e["consequence_of"] for q, e in f.evidence["others"].items()} == {"0": 1, "2": 1}
+
+
 def test_no_exit_finding_when_rank_0_saves_after_the_others_ended() -> None:
     msgs = run_steps(steps=10)
     t = end_of(msgs)

@@ -137,8 +137,14 @@ class RankExitDetector:
             ]
         if not subjects:
             return
-        subjects.sort(key=lambda s: (s.at_ns, s.rank))
-        signature = tuple((s.rank, s.how, s.step) for s in subjects)
+        subjects = _first_failures(run, subjects)
+        # The message also says whether the others went on and which of them
+        # failed after: a change in either rewrites it.
+        signature = (
+            went_on,
+            tuple((s.rank, s.how, s.step) for s in subjects),
+            tuple(sorted((r, s.how) for r, s in stops.items())),
+        )
         if signature == st.signature:
             return
         st.signature = signature
@@ -345,6 +351,30 @@ class RankExitDetector:
             finding.step = step
             finding.epoch = epoch_of(run, ranks)
             book.changed(finding)
+
+
+def _first_failures(run: RunState, subjects: list[_Stop]) -> list[_Stop]:
+    """The subjects in stop order, less the ranks that raised as a consequence of an earlier one.
+
+    A rank that raises after another rank stopped, with a different error, lost
+    its peer (``Connection closed by peer [127.0.0.1]:PORT``): it counts as a
+    subject only through the rule that another failure came after it, which
+    holds for it too when the consequences' messages differ among themselves
+    (each names its own peer). The same error everywhere is a common cause
+    (a bug in the script): those ranks stay.
+    """
+    subjects.sort(key=lambda s: (s.at_ns, s.rank))
+    kept: list[_Stop] = []
+    for s in subjects:
+        if s.how == "exception" and kept:
+            own = _error_of(run, s.rank)
+            if any(
+                k.at_ns < s.at_ns and (k.how != "exception" or _error_of(run, k.rank) != own)
+                for k in kept
+            ):
+                continue
+        kept.append(s)
+    return kept
 
 
 def _spoke_again(run: RunState, rank: int, stops: dict[int, _Stop]) -> bool:
