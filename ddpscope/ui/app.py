@@ -380,7 +380,10 @@ class WatchApp(App[None]):
         if run_id is None or run_id == self._run_id:
             return
         if self._run_id is not None:
-            self.notify(f"new run {run_id} started; showing it", title="new run", timeout=8)
+            # The run id is the user's (--run-id, torchelastic's): not markup.
+            self.notify(
+                f"new run {run_id} started; showing it", title="new run", timeout=8, markup=False
+            )
         self._run_id = run_id
 
     # --- layout ----------------------------------------------------------------------

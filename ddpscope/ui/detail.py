@@ -15,6 +15,7 @@ from textual.widgets import Static
 from ddpscope.analysis.snapshot import CollectiveRow, PassRow, PhaseRow, RankDetail, StacksView
 from ddpscope.ui import format as fmt
 from ddpscope.ui.keysline import KeysLine
+from ddpscope.ui.literal import add_row, literal
 
 
 def summary(d: RankDetail) -> Text:
@@ -39,7 +40,7 @@ def _table(title: str) -> Table:
     """The detail screen's borderless table style: one space between columns,
     so a dozen of them fit in 80 columns."""
     return Table(
-        title=title,
+        title=literal(title),
         title_justify="left",
         box=None,
         pad_edge=False,
@@ -66,7 +67,8 @@ def phase_table(rows: tuple[PhaseRow, ...]) -> RenderableType:
         table.add_column(name, justify="right", no_wrap=True)
     for r in reversed(rows):
         waits = [_ms(r.wait_ms)] + [_ms(r.sync_ms)] * sync + [_ms(r.coll_ms)] * coll
-        table.add_row(
+        add_row(
+            table,
             str(r.step),
             "-" if r.epoch < 0 else str(r.epoch),
             _ms(r.total_ms),
@@ -95,7 +97,8 @@ def collectives_table(rows: tuple[CollectiveRow, ...], step: int, more: int) -> 
         table.add_column(name, justify="right" if right else "left", no_wrap=name != "site")
     longest = max(c.blocked_ms for c in rows)
     for c in rows:
-        table.add_row(
+        add_row(
+            table,
             c.op,
             CLASS_LABEL.get(c.cls, c.cls),
             c.group or "all",
@@ -128,7 +131,8 @@ def sampler_table(rows: tuple[PassRow, ...]) -> RenderableType:
             "-" if p.count < 0 else f"{p.count}/{p.expected}" if p.expected >= 0 else str(p.count)
         )
         overlap = "-" if p.overlap < 0 else f"{p.overlap:.0%}"
-        table.add_row(
+        add_row(
+            table,
             str(p.loader),
             str(p.pass_id),
             str(p.step),

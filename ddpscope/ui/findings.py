@@ -16,6 +16,7 @@ from textual.widgets import Static
 from ddpscope.analysis.evidence import EvidenceBlock, EvidenceTable, paired
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.ui import format as fmt
+from ddpscope.ui.literal import add_row, literal
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
 ICON = {"error": "✖", "warning": "▲", "info": "●"}
@@ -66,7 +67,7 @@ def evidence_block(block: EvidenceBlock, active: bool = True) -> RenderableType:
     block = paired(block)
     header = any(block.columns)
     table = Table(
-        title=block.title or None,
+        title=literal(block.title) if block.title else None,
         title_justify="left",
         title_style="bold " + style,
         box=None,
@@ -82,14 +83,14 @@ def evidence_block(block: EvidenceBlock, active: bool = True) -> RenderableType:
         # Paired key/value tables have keys in every other column.
         key = i == 0 or (not header and i % 2 == 0)
         table.add_column(
-            name,
+            literal(name),
             style="cyan" if key else "",
             justify="right" if header and i else "left",
             no_wrap=key or header,
             overflow="fold" if i and not header else "ellipsis",
         )
     for row in block.rows:
-        table.add_row(*row)
+        add_row(table, *row)
     if block.more:
         table.caption = f"({block.more})"
         table.caption_justify = "left"

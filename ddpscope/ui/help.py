@@ -11,6 +11,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from ddpscope.ui.literal import add_row, literal
+
 KEYS = (
     ("q", "quit (a job started by ddpscope run keeps running; the launcher waits for it)"),
     ("space", "pause / resume the display (telemetry is still taken in)"),
@@ -85,7 +87,7 @@ BADGES = (
 
 def _table(rows: tuple[tuple[str, str], ...], title: str) -> Table:
     table = Table(
-        title=title,
+        title=literal(title),
         title_justify="left",
         title_style="bold",
         box=None,
@@ -96,7 +98,7 @@ def _table(rows: tuple[tuple[str, str], ...], title: str) -> Table:
     table.add_column(style="bold cyan", no_wrap=True)
     table.add_column(ratio=1)
     for key, what in rows:
-        table.add_row(key, what)
+        add_row(table, key, what)
     return table
 
 

@@ -18,7 +18,7 @@ from ddpscope.schema import Message, Step
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
-from ddpscope.ui.findings import FindingsPanel
+from ddpscope.ui.findings import CardLines, FindingsPanel, evidence_block
 from ddpscope.ui.header import HeaderPanel
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.logview import LogView
@@ -244,6 +244,63 @@ def test_a_finding_appears_in_the_findings_panel_with_evidence_and_fix(rig: Rig)
         assert panel.border_title == "Findings: 1 active"
 
     drive(app, scenario)
+
+
+GLOO_LOST = (
+    'Traceback (most recent call last):\n  File "/data/exp[3]/train.py", line 9, in <module>\n'
+    "RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] "
+    "Connection closed by peer [127.0.0.1]:32436. [bold]not markup[/bold]\n"
+)
+
+
+def test_errors_that_look_like_markup_are_drawn_as_they_are() -> None:
+    # A rank's error quoting gloo's source path ("[/__w/...]") once ended the app with
+    # Rich's MarkupError while it drew the rank_exit card's evidence.
+    from ddpscope.analysis.detectors.rank_exit import RankExitDetector
+
+    run = SyntheticRun(world=3, buckets=2)
+    source = MonitorSource.of([], [RankExitDetector()], clock=clock_at(run, 0), follow=True)
+    app = build_app(source, pull_s=0.05)  # type: ignore[arg-type]
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        panel = app.query_one(FindingsPanel)
+        source.send(run.opening() + run.steps(0, 10))
+        first = "Traceback (most recent call last):\nRuntimeError: simulated failure\n"
+        source.send([replace(run.end(1, 10), reason="exception", error=first)])
+        source.send([m for m in run.steps(10, 12) if m.rank != 1])
+        # The others then lose their peer: their errors fill the evidence's table.
+        source.send([replace(run.end(r, 12), reason="exception", error=GLOO_LOST) for r in (0, 2)])
+        await until(pilot, lambda: bool(panel.findings))
+        await pilot.press("4")  # full cards, with the evidence tables
+        await until(pilot, lambda: not panel.compact)
+        await pilot.pause(0.2)
+        cards = app.query_one("#findings-cards", CardLines)
+        drawn = "".join(s.text.rstrip() + " " for s in cards._lay_out(cards.size.width))
+        assert drawn.count("RuntimeError: [/__w/pytor") == 2  # ranks 0 and 2, cut to fit
+
+    drive(app, scenario, size=(200, 60))
+
+
+def test_table_cells_titles_and_headers_are_literal() -> None:
+    from rich.console import Console
+
+    from ddpscope.analysis.evidence import EvidenceTable
+    from ddpscope.analysis.snapshot import CollectiveRow
+    from ddpscope.ui.detail import collectives_table
+
+    console = Console(width=200, record=True, color_system=None)
+    block = EvidenceTable(
+        title="[/x] title", columns=("[b]key[/b]", "value"), rows=(("[i]k", "[/y] v"),)
+    )
+    console.print(evidence_block(block))
+    row = CollectiveRow(
+        op="all_reduce", cls="user", group="[g]", nbytes=8, offset_ms=1.0, blocked_ms=2.0,
+        site="/runs/[/a]/train.py:3 in f",
+    )  # fmt: skip
+    console.print(collectives_table((row,), 7, 0))
+    out = console.export_text()
+    for literal in ("[/x] title", "[b]key[/b]", "[i]k", "[/y] v", "[g]", "[/a]/train.py:3"):
+        assert literal in out, out
 
 
 # --- rank detail and stacks ------------------------------------------------------------------
