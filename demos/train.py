@@ -114,6 +114,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--raise-rank", type=int, default=-1, help="this rank raises ...")
     p.add_argument("--raise-step", type=int, default=3, help="... at this step")
+    p.add_argument(
+        "--raise-attempts",
+        type=int,
+        default=1_000_000,
+        help="... only in the first N attempts of a job torchrun restarts (--max-restarts)",
+    )
     # healthy patterns that must not raise findings
     p.add_argument("--peek", action="store_true", help="peek one batch each epoch")
     p.add_argument("--eval", action="store_true", help="evaluate on a loader each epoch")
@@ -376,8 +382,13 @@ def _inject(args: argparse.Namespace, rank: int, step: int, model: nn.Module) ->
         os.abort()  # what a failed check in gloo or NCCL does (SIGABRT)
     if rank == args.hang_rank and step == args.hang_step and args.hang_phase == "between":
         time.sleep(args.hang_s)
-    if rank == args.raise_rank and step == args.raise_step:
+    if rank == args.raise_rank and step == args.raise_step and _attempt() < args.raise_attempts:
         raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+
+
+def _attempt() -> int:
+    """Which attempt this is when torchrun restarts the job (--max-restarts): 0, 1, ..."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 if __name__ == "__main__":

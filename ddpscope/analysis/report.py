@@ -18,6 +18,7 @@ No torch, no textual: a report runs on a laptop.
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import statistics
 from collections.abc import Callable, Iterable, Sequence
@@ -35,7 +36,14 @@ from ddpscope.analysis.state import RankView, RunState
 from ddpscope.analysis.streamstats import RankTally, RecordingSummary, WaitSample
 from ddpscope.analysis.wording import NS, error_line
 from ddpscope.record.collect import reading_recording
-from ddpscope.record.reader import Recording, RunDir, choose_run, find_runs, writers_alive
+from ddpscope.record.reader import (
+    Recording,
+    RunDir,
+    attempts,
+    choose_run,
+    find_runs,
+    writers_alive,
+)
 from ddpscope.record.stream import LazyRecording, RunStream, first_run_info
 from ddpscope.schema import End, Heartbeat, Message
 
@@ -129,6 +137,7 @@ def build(
         "findings": [f.to_json() for f in findings],
         "problems": problems(recording, analysis),
         "other_runs": other_runs(runs, recording.run),
+        "attempts": attempts_of(recording.run),
     }
 
 
@@ -305,6 +314,15 @@ def allreduce_waits(sample: list[dict[int, int]] | RunState) -> dict[int, float]
         for r, wait in waits_of_step.items():
             per_rank.setdefault(r, []).append(wait)
     return {r: round(statistics.median(w) / MS, 3) for r, w in per_rank.items()}
+
+
+def attempts_of(run: RunDir) -> list[dict[str, Any]]:
+    """The job's elastic attempts (restarts), this run's among them; empty without a restart."""
+    here = os.path.abspath(run.path)
+    return [
+        {"restart": n, "id": os.path.basename(path), "path": path, "this": path == here}
+        for n, path in attempts(run.path)
+    ]
 
 
 def other_runs(runs: Sequence[RunDir], chosen: RunDir) -> list[dict[str, Any]]:

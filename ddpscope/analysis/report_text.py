@@ -20,6 +20,7 @@ def render_text(report: dict[str, Any]) -> str:
     lines: list[str] = []
     lines += _header_lines(report["run"])
     lines += _other_runs_lines(report["run"], report["other_runs"])
+    lines += _attempts_lines(report.get("attempts", []))
     lines.append("")
     lines += table_lines(report["ranks"])
     lines.append("")
@@ -89,6 +90,21 @@ def _other_runs_lines(run: dict[str, Any], others: list[dict[str, Any]]) -> list
     for o in others:
         started = (o["started"] or "?").replace("T", " ")
         lines.append(f"  {o['id']}  started {started}  ranks {ranks_text(o['ranks']) or '-'}")
+    return lines
+
+
+def _attempts_lines(attempts: list[dict[str, Any]]) -> list[str]:
+    if not attempts:
+        return []
+    this = next((a["restart"] for a in attempts if a["this"]), 0)
+    lines = [
+        "",
+        f"note: the job restarted (torchrun --max-restarts): {len(attempts)} attempts, each "
+        f"recorded as its own run; this report is about attempt {this}:",
+    ]
+    for a in attempts:
+        mark = "  <- this report" if a["this"] else ""
+        lines.append(f"  attempt {a['restart']}  {a['path']}{mark}")
     return lines
 
 

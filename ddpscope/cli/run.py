@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from ddpscope import config
 from ddpscope.cli.launch import launch
+from ddpscope.record.reader import attempts
 
 #: Directory whose sitecustomize.py hooks DDP construction in the child processes.
 BOOTSTRAP_DIR = os.path.join(
@@ -287,6 +288,21 @@ class NodeRelay:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def describe_attempts(env: Mapping[str, str]) -> str:
+    """The line naming each attempt's recording, when torchrun restarted the job; else ''."""
+    opts = config.load(env=env)
+    if not (opts.record and opts.run_id):
+        return ""
+    found = attempts(os.path.join(opts.record, opts.run_id))
+    if not found:
+        return ""
+    dirs = ", ".join(f"{path}{os.sep} (attempt {n})" for n, path in found)
+    return (
+        f"ddpscope: the job restarted {len(found) - 1} time(s); each attempt is a run of its "
+        f"own: {dirs}. `ddpscope report {opts.record}` reads the newest."
+    )
+
+
 def describe(env: Mapping[str, str]) -> str:
     """The one line saying where the recording goes."""
     opts = config.load(env=env)
@@ -393,12 +409,17 @@ class RunCommand:
                 )
         print(describe(env), file=sys.stderr, flush=True)
         if relay:
-            return self._run_relayed(command, env, metrics)
-        if with_ui:
+            rc = self._run_relayed(command, env, metrics)
+        elif with_ui:
             from ddpscope.cli.watch import launch_with_watcher
 
-            return launch_with_watcher(command, env, metrics)
-        return launch(command, env)
+            rc = launch_with_watcher(command, env, metrics)
+        else:
+            rc = launch(command, env)
+        restarted = describe_attempts(env)
+        if restarted:
+            print(restarted, file=sys.stderr, flush=True)
+        return rc
 
     def _run_relayed(
         self, command: list[str], env: dict[str, str], metrics: str | None = None

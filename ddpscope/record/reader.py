@@ -9,6 +9,7 @@ when opened, naming the file and what is wrong.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Collection, Iterator
@@ -190,6 +191,45 @@ def _scan_run(path: str) -> RunDir:
             run.run_id = rf.run_id
         run.files.append(rf)
     return run
+
+
+#: A restarted worker group's run directory: ``ID-rN`` (hooks/runinfo.resolve_run_id).
+_ATTEMPT = re.compile(r"^(?P<base>.+)-r(?P<n>[1-9][0-9]*)$")
+
+
+def attempts(run_path: str) -> list[tuple[int, str]]:
+    """Every recorded attempt of the job ``run_path`` belongs to: (restart count, directory).
+
+    torchrun restarts a failed worker group (``--max-restarts``) with
+    ``TORCHELASTIC_RESTART_COUNT`` raised, and each attempt records as a run of
+    its own, ``ID-rN`` beside ``ID``. Ordered by restart count; empty when the
+    job never restarted (one attempt only).
+    """
+    path = os.path.abspath(run_path.rstrip(os.sep) or os.sep)
+    parent, name = os.path.split(path)
+    m = _ATTEMPT.match(name)
+    base = m["base"] if m else name
+    found: list[tuple[int, str]] = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    for n in names:
+        mm = _ATTEMPT.match(n)
+        if n == base:
+            count = 0
+        elif mm is not None and mm["base"] == base:
+            count = int(mm["n"])
+        else:
+            continue
+        full = os.path.join(parent, n)
+        try:
+            if any(f.endswith(SUFFIX) for f in os.listdir(full)):
+                found.append((count, full))
+        except OSError:
+            continue  # not a directory, or gone
+    found.sort()
+    return found if len(found) > 1 else []
 
 
 def find_runs(directory: str) -> list[RunDir]:

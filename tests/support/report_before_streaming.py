@@ -26,6 +26,7 @@ from ddpscope.analysis.report import (
     _header_world,
     _iso,
     _last,
+    attempts_of,
     other_runs,
 )
 from ddpscope.analysis.sources import replay_recording
@@ -88,6 +89,7 @@ def build(analysis: Analysis, recording: Recording, runs: Sequence[RunDir] = ())
         "findings": [f.to_json() for f in findings],
         "problems": problems(recording, analysis),
         "other_runs": other_runs(runs, recording.run),
+        "attempts": attempts_of(recording.run),
     }
 
 

@@ -134,3 +134,17 @@ def test_a_tick_of_records_goes_out_in_one_write_and_reads_back_in_order(
     w.close()
     assert len(writes) == 1 and writes[0] == w.bytes_written
     assert [m.seq for m in open_run(str(tmp_path)).messages[0]] == list(range(6))
+
+
+def test_a_restarted_jobs_attempts_are_found_from_any_of_them(tmp_path: Path) -> None:
+    from ddpscope.record.reader import attempts
+
+    for run in ("job", "job-r2", "job-r1", "job-rx", "jobs-r1", "other"):
+        _write(tmp_path, run=run)
+    (tmp_path / "job-r3").mkdir()  # an attempt that recorded nothing is not listed
+    want = [(0, str(tmp_path / "job")), (1, str(tmp_path / "job-r1"))]
+    want.append((2, str(tmp_path / "job-r2")))
+    assert attempts(str(tmp_path / "job")) == want
+    assert attempts(str(tmp_path / "job-r2") + os.sep) == want
+    assert attempts(str(tmp_path / "other")) == []  # never restarted
+    assert attempts(str(tmp_path / "missing" / "x")) == []

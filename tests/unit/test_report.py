@@ -273,7 +273,9 @@ def test_json_has_the_documented_fields(tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 0
     doc = json.loads(out)
     assert doc["format"] == "ddpscope.report" and doc["version"] == report.VERSION == 1
-    assert list(doc) == ["format", "version", "run", "ranks", "findings", "problems", "other_runs"]
+    assert list(doc) == [
+        "format", "version", "run", "ranks", "findings", "problems", "other_runs", "attempts"
+    ]  # fmt: skip
     assert doc["run"]["id"] == "run-b" and doc["run"]["world_size"] == 2
     assert doc["run"]["status"] == "open" and doc["run"]["open_ranks"] == [1]
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
