@@ -15,7 +15,8 @@ from textual.widgets import Static
 from ddpscope.analysis.snapshot import CollectiveRow, PassRow, PhaseRow, RankDetail, StacksView
 from ddpscope.ui import format as fmt
 from ddpscope.ui.keysline import KeysLine
-from ddpscope.ui.literal import add_row, literal
+from ddpscope.ui.literal import add_row
+from ddpscope.ui.literal import title as literal_title
 
 
 def summary(d: RankDetail) -> Text:
@@ -40,7 +41,7 @@ def _table(title: str) -> Table:
     """The detail screen's borderless table style: one space between columns,
     so a dozen of them fit in 80 columns."""
     return Table(
-        title=literal(title),
+        title=literal_title(title),
         title_justify="left",
         box=None,
         pad_edge=False,

@@ -17,6 +17,7 @@ from ddpscope.analysis.evidence import EvidenceBlock, EvidenceTable, paired
 from ddpscope.analysis.snapshot import FindingView
 from ddpscope.ui import format as fmt
 from ddpscope.ui.literal import add_row, literal
+from ddpscope.ui.literal import title as literal_title
 
 SEVERITY_STYLE = {"error": "bold red", "warning": "bold yellow", "info": "bold cyan"}
 ICON = {"error": "✖", "warning": "▲", "info": "●"}
@@ -67,7 +68,7 @@ def evidence_block(block: EvidenceBlock, active: bool = True) -> RenderableType:
     block = paired(block)
     header = any(block.columns)
     table = Table(
-        title=literal(block.title) if block.title else None,
+        title=literal_title(block.title) if block.title else None,
         title_justify="left",
         title_style="bold " + style,
         box=None,

@@ -11,7 +11,8 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from ddpscope.ui.literal import add_row, literal
+from ddpscope.ui.literal import add_row
+from ddpscope.ui.literal import title as literal_title
 
 KEYS = (
     ("q", "quit (a job started by ddpscope run keeps running; the launcher waits for it)"),
@@ -87,7 +88,7 @@ BADGES = (
 
 def _table(rows: tuple[tuple[str, str], ...], title: str) -> Table:
     table = Table(
-        title=literal(title),
+        title=literal_title(title),
         title_justify="left",
         title_style="bold",
         box=None,

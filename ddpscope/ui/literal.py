@@ -20,6 +20,11 @@ def literal(value: RenderableType) -> RenderableType:
     return Text(value) if isinstance(value, str) else value
 
 
+def title(value: str) -> Text:
+    """A table's title (or header) as literal text."""
+    return Text(value)
+
+
 def add_row(table: Table, *cells: RenderableType) -> None:
     """``table.add_row`` with every str cell taken literally."""
     table.add_row(*(literal(c) for c in cells))
