@@ -6,23 +6,26 @@ path (``[/__w/pytorch/pytorch/third_party/gloo/.../pair.cc:553] Connection
 closed by peer``), a file path or a host name with brackets in it. As markup
 those raise MarkupError in the middle of drawing, which ends the app, or lose
 their bracketed words. Everything that goes into a Table goes through here.
+
+Strings stay strings, escaped: Rich still styles them as it styles any table
+text (the title's style, numbers highlighted), which Text objects would lose.
 """
 
 from __future__ import annotations
 
 from rich.console import RenderableType
+from rich.markup import escape
 from rich.table import Table
-from rich.text import Text
 
 
 def literal(value: RenderableType) -> RenderableType:
-    """``value`` as Text when it is a str; any other renderable as it is."""
-    return Text(value) if isinstance(value, str) else value
+    """``value`` escaped when it is a str; any other renderable as it is."""
+    return escape(value) if isinstance(value, str) else value
 
 
-def title(value: str) -> Text:
-    """A table's title (or header) as literal text."""
-    return Text(value)
+def title(value: str) -> str:
+    """A table's title (or header) escaped."""
+    return escape(value)
 
 
 def add_row(table: Table, *cells: RenderableType) -> None:
