@@ -322,6 +322,10 @@ class SamplerPass(Message):
     #: blake2b-64 of the real dataset indices the Subset chain keeps, in order (0: no
     #: Subset, or not computed). Equal on every rank when the split is shared.
     subset_digest: int = 0
+    #: How many ranks a sampler of its own deals each sample to on purpose
+    #: (repeated augmentation: torchvision's RASampler, timm's RepeatAugSampler);
+    #: 1 for every other sampler.
+    repeats: int = 1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

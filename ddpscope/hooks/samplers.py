@@ -141,6 +141,47 @@ def sketch_mod_for(expected: int, target: int) -> int:
     return 1 << (max(1, expected // max(1, target)).bit_length() - 1)
 
 
+#: Attribute names repeated-augmentation samplers keep their repeat count under
+#: (timm and DeiT: num_repeats; torchvision's references: repetitions).
+_REPEAT_ATTRS = ("num_repeats", "repetitions", "repeats")
+#: Class names of repeated-augmentation samplers whose count is not an attribute
+#: (DeiT's first RASampler and its many copies deal every sample to 3 ranks).
+_REPEAT_NAMES = ("RASampler", "RepeatAugSampler", "RepeatedAugSampler")
+
+
+def repeats_of(sampler: Any) -> int:
+    """How many ranks ``sampler`` deals each sample to on purpose; 1 for most samplers.
+
+    Repeated augmentation (Hoffer et al. 2019; the DeiT, timm and torchvision
+    recipes) gives each sample to several ranks, each augmenting it its own
+    way: overlap by design, not a sharding mistake. Such a sampler has a
+    ``num_replicas`` and an int repeat count of 2 or more; DeiT's first one
+    (copied widely) hard-codes 3 and is known by its class name.
+    """
+    if sampler is None or not hasattr(sampler, "num_replicas"):
+        return 1
+    for name in _REPEAT_ATTRS:
+        value = getattr(sampler, name, None)
+        if type(value) is int:
+            return max(value, 1)
+    return 3 if type(sampler).__name__ in _REPEAT_NAMES else 1
+
+
+def _epoch_aware(sampler: Any) -> bool:
+    """A sampler of its own that deals shards by rank and reshuffles by ``set_epoch``."""
+    return (
+        sampler is not None
+        and hasattr(sampler, "num_replicas")
+        and callable(getattr(sampler, "set_epoch", None))
+        and type(getattr(sampler, "epoch", None)) is int
+    )
+
+
+def _int_attr(obj: Any, name: str) -> int:
+    value = getattr(obj, name, -1)
+    return value if type(value) is int else -1
+
+
 def padded_count(n: int, num_replicas: int, rank: int, drop_last: bool) -> int:
     """Indices ``rank`` draws twice because DistributedSampler padded ``n`` up.
 
@@ -560,6 +601,7 @@ class SamplerProbe:
             "padded": 0,
             "subset_depth": len(chain),
             "subset_digest": self._split_of(state, chain),
+            "repeats": repeats_of(index_sampler),
         }
         if isinstance(index_sampler, DistributedSampler):
             # getattr: a subclass may have renamed or dropped an attribute.
@@ -579,6 +621,15 @@ class SamplerProbe:
                 shuffle=bool(getattr(index_sampler, "shuffle", False)),
                 drop_last=drop_last,
                 padded=padded_count(source_len, replicas, rank, drop_last),
+            )
+        elif index_sampler is not None and _epoch_aware(index_sampler):
+            # A distributed sampler of its own built like DistributedSampler
+            # (repeated augmentation's RASampler): it shuffles by its epoch too.
+            fields.update(
+                epoch=int(index_sampler.epoch),
+                seed=_int_attr(index_sampler, "seed"),
+                num_replicas=_int_attr(index_sampler, "num_replicas"),
+                sampler_rank=_int_attr(index_sampler, "rank"),
             )
         self._post(SamplerPass.KIND, fields)
         if isinstance(dataset, IterableDataset):

@@ -8,9 +8,10 @@ inside ``optimizer.step()``, a siamese loss runs two forwards before one
 backward (``static_graph``), ``find_unused_parameters`` with a head used every
 other step, a GAN's two DDP models and optimizers, rank 0 saving a checkpoint
 behind a barrier (the first to slow storage: 7 s in ``torch.save``) or
-evaluating alone for 7 s (waits, not hangs), and BatchNorm with
+evaluating alone for 7 s (waits, not hangs), BatchNorm with
 ``broadcast_buffers=False``, whose running statistics differ across ranks by
-design (info, not a desync).
+design (info, not a desync), and repeated augmentation, whose sampler deals
+each sample to several ranks by design (no unsharded_data).
 """
 
 from __future__ import annotations
@@ -53,7 +54,10 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     return rec
 
 
-@pytest.mark.parametrize("shape", ["zero", "twice", "unused", "gan", "save", "save-eval", "bufs"])
+SHAPES = ["zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug"]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 def test_a_healthy_job_of_this_shape_raises_nothing(
     tmp_path: Path, endpoint: str, shape: str
 ) -> None:
@@ -80,3 +84,21 @@ def test_a_healthy_job_of_this_shape_raises_nothing(
         }
     else:
         assert [f for f in doc["findings"] if f["kind"] == "desync"] == []
+
+
+def test_repeated_augmentation_without_set_epoch_is_named_with_its_sampler(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = tmp_path / "rec"
+    env = job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
+    torchrun(
+        [JOB, "--shape", "repaug", "--epochs", "2", "--samples", "512", "--no-set-epoch"],
+        env=env,
+        timeout=240,
+    )
+    doc = report(rec)
+    (f,) = of_kind(doc, "missing_set_epoch")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1], f["message"]
+    assert "the RepeatAugSampler still at epoch 0 (seed 0)" in f["message"]
+    assert "identical on ranks 0, 1" in f["message"]
+    assert of_kind(doc, "unsharded_data") == of_kind(doc, "shard_overlap") == []

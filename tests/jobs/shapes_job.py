@@ -13,6 +13,10 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   used only every other step;
 - ``gan``: two DDP models, a generator and a discriminator, each with its own
   optimizer, stepped one after the other;
+- ``repaug``: repeated augmentation (the DeiT, timm and torchvision recipes): a
+  sampler of its own deals each sample to 3 ranks, each augmenting it its own
+  way (shards overlap by design), and is given ``set_epoch`` every epoch unless
+  ``--no-set-epoch``;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -27,20 +31,43 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
 
 import ddpscope
 
-SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save")
+SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save", "repaug")
+
+
+class RepeatAugSampler(Sampler[int]):
+    """Each sample to ``num_repeats`` ranks, shuffled by seed + epoch, len(dataset) / world each."""
+
+    def __init__(self, n: int, num_replicas: int, rank: int, num_repeats: int = 3) -> None:
+        self.n, self.num_replicas, self.rank, self.num_repeats = n, num_replicas, rank, num_repeats
+        self.epoch, self.seed, self.shuffle = 0, 0, True
+        self.per_rank = math.ceil(n / num_replicas)
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.n, generator=g).repeat_interleave(self.num_repeats).tolist()
+        order += order[: self.per_rank * self.num_replicas - len(order)]
+        return iter(order[self.rank :: self.num_replicas][: self.per_rank])
+
+    def __len__(self) -> int:
+        return self.per_rank
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
 
 
 class TwoHeads(nn.Module):
@@ -100,6 +127,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--slow-save-s", type=float, default=0.0)
     p.add_argument("--eval-s", type=float, default=0.0)
+    p.add_argument("--no-set-epoch", action="store_true", help="repaug: forget set_epoch()")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -107,7 +135,9 @@ def main() -> None:
     images = args.shape == "bufs"
     x = torch.randn(args.samples, 3, 16, 16) if images else torch.randn(args.samples, 32)
     data = TensorDataset(x, torch.randint(0, 4, (args.samples,)))
-    sampler = DistributedSampler(data, seed=1)
+    sampler: DistributedSampler[int] | RepeatAugSampler = DistributedSampler(data, seed=1)
+    if args.shape == "repaug":
+        sampler = RepeatAugSampler(len(data), world, rank)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
     steps = 0
@@ -150,7 +180,8 @@ def main() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = os.path.join(tempfile.gettempdir(), f"shapes-{os.getpid()}.pt")
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        if not args.no_set_epoch:
+            sampler.set_epoch(epoch)
         for xb, yb in loader:
             opt.zero_grad()
             if args.shape == "twice":

@@ -651,3 +651,43 @@ def test_overhead_on_a_one_million_index_pass(
             f"probed {best_probed * 1e3:.0f} ms (first {first * 1e3:.0f} ms); overhead "
             f"{(best_probed - best) / count * 1e9:.1f} ns/index, ratio {best_probed / best:.2f}"
         )
+
+
+class _TorchvisionRA:  # torchvision's references: the count is `repetitions`
+    def __init__(self, repetitions: int) -> None:
+        self.num_replicas, self.rank, self.repetitions = 4, 0, repetitions
+        self.epoch, self.seed, self.shuffle = 0, 0, True
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class _TimmRA:  # timm and DeiT since 2021: `num_repeats`
+    def __init__(self) -> None:
+        self.num_replicas, self.rank, self.num_repeats, self.epoch = 4, 1, 2, 3
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+class RASampler:  # DeiT's first one, copied widely: 3 repeats hard-coded, no seed
+    def __init__(self) -> None:
+        self.num_replicas, self.rank, self.epoch, self.shuffle = 4, 2, 0, True
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+
+def test_repeated_augmentation_samplers_say_how_many_ranks_get_each_sample() -> None:
+    from torch.utils.data import DistributedSampler, RandomSampler
+
+    from ddpscope.hooks.samplers import _epoch_aware, repeats_of
+
+    assert repeats_of(_TorchvisionRA(3)) == 3 and repeats_of(_TorchvisionRA(1)) == 1
+    assert repeats_of(_TimmRA()) == 2 and repeats_of(RASampler()) == 3
+    data = list(range(8))
+    assert repeats_of(DistributedSampler(data, num_replicas=2, rank=0)) == 1
+    assert repeats_of(RandomSampler(data)) == repeats_of(None) == 1
+    # Built like DistributedSampler: shards by rank and reshuffles by set_epoch.
+    assert _epoch_aware(_TorchvisionRA(3)) and _epoch_aware(RASampler())
+    assert not _epoch_aware(RandomSampler(data))

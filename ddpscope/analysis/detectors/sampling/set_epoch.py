@@ -2,8 +2,11 @@
 
 The first step of a trained pass over a shuffling
 DistributedSampler whose epoch and seed equal those of the previous trained
-pass of that loader. Same seed and epoch mean the same permutation, so the
-pass repeats the previous epoch's order. It is raised at the first batch of the
+pass of that loader. A sampler of its own built like DistributedSampler
+(``num_replicas``, ``set_epoch`` and an int ``epoch``: repeated augmentation's
+RASampler) is judged the same way; the rank side sends its epoch and seed.
+Same seed and epoch mean the same permutation, so the pass repeats the
+previous epoch's order. It is raised at the first batch of the
 repeated pass rather than at ``iter()``: a peek after the training loop
 (``next(iter(loader))`` at the end of an epoch, before the next ``set_epoch``)
 begins a pass with the same epoch and is indistinguishable until a step draws
@@ -32,8 +35,9 @@ from ddpscope.schema import Message, SamplerPassEnd
 
 SET_EPOCH_FIX = (
     "Call `sampler.set_epoch(epoch)` at the start of every epoch, before iterating the "
-    "DataLoader. DistributedSampler shuffles with seed + epoch, and only set_epoch changes "
-    "the epoch: without it every epoch trains on the same order."
+    "DataLoader. DistributedSampler (and samplers built like it, such as RASampler) shuffles "
+    "with seed + epoch, and only set_epoch changes the epoch: without it every epoch trains "
+    "on the same order."
 )
 
 
@@ -53,6 +57,8 @@ class _Repeat:
     same: set[int] = field(default_factory=set)
     differs: set[int] = field(default_factory=set)
     signature: Any = None
+    #: What the message calls the sampler.
+    sampler: str = "DistributedSampler"
 
 
 def _same_order(a: SamplerPassEnd, b: SamplerPassEnd) -> bool | None:
@@ -99,8 +105,10 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
         if b is None or prev is None or prev.begin is None:
             return
         p = prev.begin
-        if not (b.distributed and b.shuffle and b.epoch >= 0):
-            return  # only DistributedSampler reshuffles by epoch; shuffle=False never does
+        if not (b.shuffle and b.epoch >= 0):
+            # Only DistributedSampler and samplers built like it reshuffle by epoch
+            # (the others have no epoch); shuffle=False never does.
+            return
         if (p.epoch, p.seed, p.dataset_len) != (b.epoch, b.seed, b.dataset_len):
             return
         rep = state.get(rec.loader)
@@ -108,6 +116,8 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             rep = state[rec.loader] = _Repeat(
                 rec.loader, rec.first_step, b.epoch, b.seed, prev.pass_id, rec.pass_id, prev.steps
             )
+            if not b.distributed:
+                rep.sampler = b.sampler_type.rsplit(".", 1)[-1] or rep.sampler
         rep.ranks.add(rec.rank)
         rep.epochs.add(b.epoch)
         rep.pending[rec.rank] = (prev, rec)
@@ -140,9 +150,10 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             return
         rep.signature = signature
         refuted = bool(rep.differs) and not rep.same
+        seed = f" (seed {rep.seed})" if rep.seed >= 0 else ""
         message = (
             f"Loader {rep.loader} repeats an epoch: its pass {rep.pass_id} began training with "
-            f"the DistributedSampler still at epoch {rep.epoch} (seed {rep.seed}), the epoch of "
+            f"the {rep.sampler} still at epoch {rep.epoch}{seed}, the epoch of "
             f"pass {rep.prev_pass} it trained on before, so set_epoch() was not called and the "
             f"shuffle repeats the previous epoch's order ({ranks_phrase(rep.ranks)})."
         )
@@ -150,7 +161,7 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             message += f" The drawn orders are identical on {ranks_phrase(rep.same)}."
         if refuted:
             message = (
-                f"Loader {rep.loader}: the DistributedSampler stayed at epoch {rep.epoch} "
+                f"Loader {rep.loader}: the {rep.sampler} stayed at epoch {rep.epoch} "
                 f"between its training passes {rep.prev_pass} and {rep.pass_id}, but the drawn "
                 f"orders differ on {ranks_phrase(rep.differs)}: this sampler reshuffles by itself."
             )

@@ -16,6 +16,9 @@ duplicates). Flagged at 1 % and at least 3 sketch points: any shared point is
 a real duplicate, the thresholds only keep negligible overlaps quiet. A
 limitation of index-based evidence: ranks that each load *different* data of
 the same length are indistinguishable from ranks that load the same data.
+A sampler that deals each sample to several ranks on purpose (repeated
+augmentation: ``SamplerPass.repeats`` above 1) is not measured: its overlap
+is its design.
 
 Passes and their sketches come from the pass ledger (sampling/ledger.py).
 """
@@ -296,7 +299,7 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
 
     def _plain(self, run: RunState, st: _ShardRun, rec: PassRec, book: FindingBook) -> None:
         b = rec.begin
-        if b is None or _world(run) <= 1:
+        if b is None or _world(run) <= 1 or b.repeats > 1:
             return
         if b.distributed or b.subset_depth or b.expected <= 0 or b.expected != b.dataset_len:
             return
@@ -327,6 +330,9 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
     def _measure(self, run: RunState, st: _ShardRun, rec: PassRec, book: FindingBook) -> None:
         b, end = rec.begin, rec.end
         if b is None or end is None or end.count <= 0 or not end.sketch or _world(run) <= 1:
+            return
+        if b.repeats > 1:
+            # Repeated augmentation deals each sample to several ranks on purpose.
             return
         # DistributedSampler passes of different epochs are different permutations.
         key = (rec.loader, rec.ordinal, b.epoch if b.distributed else -1)
