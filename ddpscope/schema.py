@@ -326,6 +326,10 @@ class SamplerPass(Message):
     #: (repeated augmentation: torchvision's RASampler, timm's RepeatAugSampler);
     #: 1 for every other sampler.
     repeats: int = 1
+    #: Batches the loader says this pass yields on this rank (len(batch_sampler)),
+    #: -1 if unknown. Steps follow batches whatever shards them (accelerate's
+    #: BatchSamplerShard, a bucketing batch sampler), where samples do not.
+    batches: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

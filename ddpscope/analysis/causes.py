@@ -106,6 +106,19 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
         if r is None or not u.evidence.get("confirmed") or not r.ranks:
             continue
         stopped = r.evidence.get("stopped")
+        if _raised_on_running_out(u, r, short):
+            out.setdefault(
+                (r.kind, r.key),
+                Want(
+                    cause,
+                    f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(set(r.ranks))} "
+                    "raised in the first step after running out of batches: its next collective "
+                    "met the others' training all-reduce, a collective of another size, so it "
+                    "received the wrong data or failed.",
+                    fix=fix,
+                ),
+            )
+            continue
         if (
             set(r.ranks) <= short
             and isinstance(stopped, dict)
@@ -122,6 +135,29 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
                 ),
             )
     return out
+
+
+def _raised_on_running_out(u: Finding, r: Finding, short: set[int]) -> bool:
+    """Every rank named raised within a step of running out of batches (not under Join).
+
+    Its next collective (the next epoch's, an evaluation's) is paired with
+    the others' gradient all-reduce: gloo hands it another collective's bytes
+    ("Invalid mt19937 state" from accelerate's RNG broadcast) or a size error.
+    """
+    ran_out = u.evidence.get("ran_out_at_step")
+    stopped = r.evidence.get("stopped")
+    if u.evidence.get("join") or not isinstance(ran_out, dict) or not isinstance(stopped, dict):
+        return False
+    if not stopped or not set(r.ranks) <= short:
+        return False
+    for q, s in stopped.items():
+        limit = ran_out.get(q)
+        if not isinstance(s, dict) or s.get("how") != "exception" or not isinstance(limit, int):
+            return False
+        step = s.get("step")
+        if not isinstance(step, int) or not limit <= step <= limit + 1:
+            return False
+    return True
 
 
 def _in_training(op: object) -> bool:
@@ -163,10 +199,26 @@ def _ran_out_mismatch(
         if not isinstance(blocked, dict) or (c.kind, c.key) in out:
             continue
         ranks = _ranks_of(blocked)
+        ops = {int(q): v.get("op") for q, v in blocked.items() if isinstance(v, dict)}
         long_ = ranks - short
+        if ranks and not long_ and not any(_in_training(ops.get(q)) for q in ranks):
+            # Only the ranks that ran out are blocked in it; the ranks that never
+            # issued it (named in "others") are the ones still training.
+            long_ = _ranks_of(c.evidence.get("others"))
+            if not long_ or long_ & short:
+                continue
+            mismatch = True
+            out[(c.kind, c.key)] = Want(
+                cause,
+                f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(ranks)} ran out "
+                f"of batches and went on to the code after the loop, while {ranks_phrase(long_)} "
+                f"still train{'s' if len(long_) == 1 else ''}: their collectives no longer "
+                "match.",
+                fix=fix,
+            )
+            continue
         if not (ranks & short and long_):
             continue
-        ops = {int(q): v.get("op") for q, v in blocked.items() if isinstance(v, dict)}
         if all(_in_training(ops.get(q)) for q in long_) and not any(
             _in_training(ops.get(q)) for q in ranks & short
         ):

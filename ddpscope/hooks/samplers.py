@@ -602,6 +602,7 @@ class SamplerProbe:
             "subset_depth": len(chain),
             "subset_digest": self._split_of(state, chain),
             "repeats": repeats_of(index_sampler),
+            "batches": _length(batch_sampler) if batch_sampler is not None else expected,
         }
         if isinstance(index_sampler, DistributedSampler):
             # getattr: a subclass may have renamed or dropped an attribute.

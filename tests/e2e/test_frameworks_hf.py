@@ -29,6 +29,7 @@ from tests.support.frameworks import (
 )
 from tests.support.recorded import brief, of_kind, serious, steps_of
 from tests.support.recorded import report_json as report
+from tests.support.torchrun import job_env, torchrun
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
@@ -196,3 +197,32 @@ def test_hf_data_straggler_is_measured_in_accelerates_collective(hf_straggler: P
 def test_hf_data_straggler_is_named_with_its_rank(hf_straggler: Path) -> None:
     found = [f for f in serious(report(hf_straggler)) if f["kind"] == "straggler"]
     assert [f["ranks"] for f in found] == [[1]], brief(found)
+
+
+def test_accelerate_uneven_batches_are_named_as_the_cause_of_what_follows(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # even_batches=False on 31 batches of 16 over 2 ranks: rank 0 gets 16, rank 1 15,
+    # and accelerate's batch sampler hides it from the samplers' lengths (both 496).
+    # Rank 1 runs out and goes on to the next epoch's first collective (accelerate's
+    # RNG broadcast) while rank 0 trains its 16th batch: gloo pairs the two (rank 1
+    # raises "Invalid mt19937 state" on the bytes it got), or they hang until the timeout.
+    flags = ["--api", "accelerate", "--uneven-batches", "--samples", "496", "--epochs", "2"]
+    rec = tmp_path / "rec"
+    torchrun(
+        [HF, *flags],
+        env=job_env(DDPSCOPE_ENDPOINT=endpoint),
+        prefix=ddpscope_run(rec),
+        timeout=240,
+        check=False,
+    )
+    doc = report(rec)
+    (u,) = of_kind(doc, "uneven_inputs")
+    assert u["severity"] == "error" and u["ranks"] == [1], u["message"]
+    assert "len(loader): 16 on rank 0, 15 on rank 1" in u["message"]
+    assert "rank 1 drew all 15 of their batches while rank 0 still had more" in u["message"]
+    # What it led to is said as its consequence, not as a fault of its own.
+    caused = [f for f in doc["findings"] if f["cause"]]
+    assert {f["kind"] for f in caused} & {"hang", "rank_exit"}, brief(doc["findings"])
+    assert all(f["cause"]["kind"] == "uneven_inputs" for f in caused)
+    assert [f["kind"] for f in serious(doc)] == ["uneven_inputs"], brief(doc["findings"])

@@ -11,6 +11,9 @@ scatter slices of each batch (``DataLoaderConfiguration(dispatch_batches=True)``
 default; with ``--no-dispatch`` each rank keeps its own batches of the stream,
 ``IterableDatasetShard``). ``--iterable --same-batches`` is the iterable mistake:
 the loader is not prepared, so every rank reads the whole stream.
+``--uneven-batches`` is ``even_batches=False`` on a dataset whose batches do not
+split evenly: one rank trains a batch the others never run, and the job hangs
+until the 15 s collective timeout.
 """
 
 from __future__ import annotations
@@ -125,9 +128,20 @@ def accelerate_loop(args: argparse.Namespace) -> None:
 
     # None: accelerate's default (dispatch an IterableDataset, shard the rest).
     dispatch = True if args.dispatch else False if args.no_dispatch else None
+    kwargs: list[Any] = []
+    if args.uneven_batches:
+        from datetime import timedelta
+
+        from accelerate import InitProcessGroupKwargs
+
+        # The uneven job hangs: end it by the collective timeout.
+        kwargs.append(InitProcessGroupKwargs(timeout=timedelta(seconds=15)))
     acc = Accelerator(
         cpu=True,
-        dataloader_config=DataLoaderConfiguration(dispatch_batches=dispatch),
+        kwargs_handlers=kwargs,
+        dataloader_config=DataLoaderConfiguration(
+            dispatch_batches=dispatch, even_batches=not args.uneven_batches
+        ),
         # sync_each_batch: accelerate all-reduces every micro-batch (meant to save memory
         # under FSDP; under DDP it only adds all-reduces).
         gradient_accumulation_plugin=GradientAccumulationPlugin(
@@ -181,6 +195,11 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--sync-each-batch", action="store_true", help="accelerate: sync each one")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
+    p.add_argument(
+        "--uneven-batches",
+        action="store_true",
+        help="accelerate: even_batches=False, so ranks get different numbers of batches",
+    )
     args = p.parse_args()
     if args.api == "trainer":
         trainer(args)

@@ -229,6 +229,48 @@ def test_a_crash_is_never_explained_by_uneven_inputs() -> None:
     assert linked(book) == {}
 
 
+def test_a_short_rank_raising_in_its_first_step_after_running_out_is_explained() -> None:
+    # accelerate with even_batches=False on 2 ranks: rank 1 ran out after 15 steps, its
+    # next epoch's RNG broadcast met rank 0's gradient all-reduce, and it raised on the
+    # bytes it got. A rank that raises later, or one that had data, stands on its own.
+    def book_with(step: int, ranks: list[int]) -> FindingBook:
+        book = FindingBook()
+        ev = {"loader": 0, "confirmed": True, "ran_out_at_step": {"1": 15}}
+        book.raise_or_update("loader0", finding("uneven_inputs", ranks=[1], evidence=ev))
+        stopped = {str(r): {"how": "exception", "step": step} for r in ranks}
+        book.raise_or_update(
+            "run", finding("rank_exit", ranks=ranks, evidence={"stopped": stopped})
+        )
+        return book
+
+    book = book_with(15, [1])
+    assert linked(book) == {("rank_exit", "run"): ("uneven_inputs", "loader0")}
+    r = book.get("rank_exit", "run")
+    assert r is not None and r.severity == "info" and "first step after running out" in r.message
+    assert linked(book_with(16, [1])) != {}  # within the step it went on to
+    assert linked(book_with(40, [1])) == {}  # much later: another reason
+    assert linked(book_with(15, [0, 1])) == {}  # rank 0 had data
+
+
+def test_a_collective_only_the_short_ranks_wait_in_is_explained_by_the_uneven_inputs() -> None:
+    # Ranks 1 and 2 ran out and wait in the next epoch's first collective; rank 0, still
+    # training, is named among the others (waiting in its all-reduce).
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([1, 2], confirmed=False))
+    blocked = {q: {"op": "broadcast", "at": "random.py:136 in sync", "for_s": 5.0} for q in "12"}
+    ev = {"blocked": blocked, "others": {"0": "is waiting in all-reduce (bucket 0)"}}
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[1, 2], evidence=ev))
+    assert linked(book) == {("rank0_only_collective", "stuck"): ("uneven_inputs", "loader0")}
+    c = book.get("rank0_only_collective", "stuck")
+    assert c is not None and "ranks 1, 2 ran out of batches and went on" in c.message
+    ev["others"] = {"0": "is waiting in all-reduce", "2": "ended (exit)"}
+    book = FindingBook()
+    book.raise_or_update("loader0", uneven([1, 2], confirmed=False))
+    blocked.pop("2")
+    book.raise_or_update("stuck", finding("rank0_only_collective", ranks=[1], evidence=ev))
+    assert linked(book) == {}  # a short rank among those that never issued it: not this
+
+
 def test_a_rank_blocked_with_a_crashed_peer_is_explained_by_rank_exit() -> None:
     book = FindingBook()
     ev = {"stopped": {"2": {"how": "exception"}}, "others": {}}

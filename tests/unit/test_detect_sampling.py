@@ -736,6 +736,45 @@ def test_without_join_the_same_run_is_an_error() -> None:
     assert "Join is handling" not in f.message
 
 
+SHARD = "accelerate.data_loader.BatchSamplerShard"
+
+
+def _uneven_batch_shards(counts: dict[int, int], batch: int) -> dict[int, Plan]:
+    """accelerate's even_batches=False: one shared RandomSampler over 496 samples, a
+    batch sampler of its own dealing whole batches, so ranks differ in len(loader) only."""
+    plans = {}
+    for r, n in counts.items():
+        idx = list(range(r * batch, 496, batch * len(counts)))[:n]
+        drawn = [i + k for i in idx for k in range(batch)]
+        plans[r] = plain_plan(drawn, 496, expected=496, batches=n, batch_sampler_type=SHARD)
+    return plans
+
+
+def test_ranks_whose_loaders_differ_in_batches_are_uneven_and_confirmed_when_one_runs_out() -> None:
+    # A batch sampler of its own hides it from the sample counts (every rank's sampler
+    # says 496): len(loader) tells, exactly. Rank 0 then trains its 11th batch alone.
+    sim = Sim(3)
+    sim.epoch(_uneven_batch_shards({0: 11, 1: 10, 2: 10}, 16), 16, stall={0: 10})
+    analysis, at = analyse(sim.msgs, until=raised("uneven_inputs"))
+    assert isinstance(at, Step) and at.step == 0
+    f = of(analysis, "uneven_inputs")[0]
+    # At the second rank's first step: rank 2 has not trained yet.
+    assert f.severity == "warning" and f.ranks == [1]
+    assert "len(loader): 11 on rank 0, 10 on rank 1" in f.message
+    assert f.evidence["batches_per_epoch"] == {"0": 11, "1": 10}
+    # Ranks 1 and 2 drew their last batch while rank 0 had one more: certain.
+    (f,) = of(analyse(sim.msgs)[0], "uneven_inputs")
+    assert f.severity == "error" and f.ranks == [1, 2] and f.evidence["confirmed"]
+    assert "ranks 1, 2 drew all 10 of their batches while rank 0 still had more" in f.message
+    assert f.evidence["batches_per_epoch"] == {"0": 11, "1": 10, "2": 10}
+
+
+def test_equal_batch_counts_under_a_batch_sampler_of_its_own_are_even() -> None:
+    sim = Sim(3)
+    sim.epoch(_uneven_batch_shards({0: 10, 1: 10, 2: 10}, 16), 16)
+    assert of(analyse(sim.msgs)[0], "uneven_inputs") == []
+
+
 def test_a_rank_that_crashed_mid_epoch_is_not_uneven_inputs() -> None:
     # Even shards; rank 1 raises after two steps while rank 0 got further. Its pass
     # ended early because it crashed, which is rank_exit's finding, not this one's.

@@ -1,7 +1,9 @@
 """``uneven_inputs``: a rank that runs fewer steps than the others and leaves them waiting.
 
-Predicted at the first step of a training loader from the
-ranks' ``len(sampler)``. The batch size is not in the telemetry, so the number
+Predicted at the first step of a training loader from the ranks'
+``len(loader)`` where they differ (exact, whatever batch sampler shards the
+data: accelerate's ``even_batches=False``, a bucketing one), else from their
+``len(sampler)``. The batch size is not in the telemetry, so the number
 of samples one step consumes, U, is bracketed instead: after ``s`` steps of a
 pass of ``e`` samples ``U <= (e-1) // (s-1)`` (the first s-1 batches were full),
 and a finished pass of ``c`` samples in ``s`` steps gives ``U >= ceil(c / s)``
@@ -57,6 +59,8 @@ class _Ordinal:
     #: rank -> its pass (steps so far), len(sampler), steps once it moved on.
     recs: dict[int, PassRec] = field(default_factory=dict)
     expected: dict[int, int] = field(default_factory=dict)
+    #: rank -> len(batch_sampler), where the rank knows it.
+    batches: dict[int, int] = field(default_factory=dict)
     finals: dict[int, int] = field(default_factory=dict)
     #: Running extremes, so that a step is checked in O(1).
     lo: int = -1
@@ -82,6 +86,9 @@ class _UnevenIssue:
     ordinal: int = -1
     expected: dict[int, int] = field(default_factory=dict)
     pass_steps: dict[int, int] = field(default_factory=dict)
+    batches: dict[int, int] = field(default_factory=dict)
+    #: Short rank -> the job's step count when it ran out of the confirmed pass.
+    ran_out: dict[int, int] = field(default_factory=dict)
     bound: int = 0
     signature: Any = None
 
@@ -133,6 +140,8 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
                 self._stepped(st, rec, book)
             elif ev.kind == "final":
                 self._final(st, rec, book)
+            elif ev.kind == "end":
+                self._exhausted(st, rec, book)
 
     def tick(self, run: RunState, book: FindingBook) -> None:
         """Nothing here depends on time."""
@@ -159,7 +168,10 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
             table.expected[rec.rank] = e
             table.lo = e if table.lo < 0 else min(table.lo, e)
             table.hi = max(table.hi, e)
-        self._predict(st, rec, table, book)
+        if rec.begin.batches >= 0:
+            table.batches[rec.rank] = rec.begin.batches
+        if not self._predict_batches(st, rec, table, book):
+            self._predict(st, rec, table, book)
 
     def _learn(self, st: _UnevenRun, rec: PassRec, final: bool) -> bool:
         """Narrow the samples-per-step interval from this pass; True when it changed."""
@@ -195,11 +207,43 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
             return big - e >= hi  # a multiple of any U <= hi lies in [e, big)
         return all(-(-big // u) > -(-e // u) and big // u > e // u for u in range(lo, hi + 1))
 
+    def _predict_batches(
+        self, st: _UnevenRun, rec: PassRec, table: _Ordinal, book: FindingBook
+    ) -> bool:
+        """Exact, for any batch sampler: the ranks' ``len(loader)`` differ. True when told."""
+        b = rec.begin
+        assert b is not None
+        counts = table.batches
+        if len(counts) < 2 or len(set(counts.values())) < 2:
+            return False
+        told = st.issues.get(rec.loader)
+        if told is not None and told.predicted and told.predicted_at != rec.ordinal:
+            return True  # predicted from an earlier pass: later epochs repeat it
+        most = max(counts.values())
+        short = sorted(r for r, n in counts.items() if n < most)
+        gap = most - min(counts.values())
+        issue = self._issue(st, rec.loader, b)
+        if not issue.confirmed:
+            issue.short = short
+            issue.expected = dict(sorted(table.expected.items()))
+        issue.batches = dict(sorted(counts.items()))
+        issue.predicted_at = rec.ordinal
+        issue.predicted = (
+            f"ranks get different numbers of batches per epoch (len(loader): {by_value(counts)}); "
+            f"{ranks_phrase(short)} will run out of batches up to {gap} step(s) before the others"
+        )
+        self._publish(st, issue, book)
+        return True
+
     def _predict(self, st: _UnevenRun, rec: PassRec, table: _Ordinal, book: FindingBook) -> None:
         b = rec.begin
         assert b is not None
         if len(table.expected) < 2 or table.lo == table.hi:
             return
+        if len(set(table.batches.values())) > 1:
+            return  # told exactly, from the batch counts
+        if table.batches and len(table.batches) == len(table.expected):
+            return  # every rank gets the same number of batches: steps agree
         if b.batch_sampler_type not in STOCK_BATCH_SAMPLERS:
             return  # bucketing batch samplers: samples say nothing about steps
         told = st.issues.get(rec.loader)
@@ -285,11 +329,51 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
         so_far = " so far" if any(r not in table.finals for r in longer) else ""
         issue.ordinal = rec.ordinal
         issue.short = short
+        issue.ran_out = _ran_out(table, short)
         issue.expected = dict(sorted(table.expected.items()))
         issue.pass_steps = counts
         issue.confirmed = (
             f"in the {nth(rec.ordinal)} training pass {ranks_phrase(short)} moved on after "
             f"{low} step(s) while the others ran more{so_far} ({by_value(longer)})"
+        )
+        self._publish(st, issue, book)
+
+    def _exhausted(self, st: _UnevenRun, rec: PassRec, book: FindingBook) -> None:
+        """A rank drew every batch of a trained pass while another has more batches to go.
+
+        Certain from the batch counts alone: the rank is out of data for this
+        pass, whatever it does next (its next epoch's first collective, an
+        evaluation, its exit), while the other still has a batch to train on.
+        """
+        end = rec.end
+        if end is None or not end.complete or rec.ordinal < 0 or rec.steps < 1:
+            return
+        table = st.ordinals.get(rec.loader, {}).get(rec.ordinal)
+        mine = table.batches.get(rec.rank) if table is not None else None
+        if table is None or mine is None or table.confirmed:
+            return
+        more = {}
+        for r, n in table.batches.items():
+            other = table.recs.get(r)
+            if r == rec.rank or n <= mine or other is None:
+                continue
+            if other.end is None or (other.end.complete and other.steps > rec.steps):
+                more[r] = n
+        if not more:
+            return
+        table.confirmed = True
+        issue = self._issue(st, rec.loader, rec.begin) if rec.begin is not None else None
+        if issue is None or (issue.confirmed and issue.ordinal != rec.ordinal):
+            return
+        short = sorted(r for r, n in table.batches.items() if n == mine)
+        issue.ordinal = rec.ordinal
+        issue.short = short
+        issue.ran_out = _ran_out(table, short)
+        issue.expected = dict(sorted(table.expected.items()))
+        issue.pass_steps = table.counts()
+        issue.confirmed = (
+            f"in the {nth(rec.ordinal)} training pass {ranks_phrase(short)} drew all {mine} of "
+            f"their batches while {ranks_phrase(more)} still had more ({by_value(more)})"
         )
         self._publish(st, issue, book)
 
@@ -383,6 +467,10 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
             "max_samples_per_step": issue.bound or None,
             "confirmed": bool(issue.confirmed),
         }
+        if issue.ran_out:
+            evidence["ran_out_at_step"] = {str(r): n for r, n in issue.ran_out.items()}
+        if issue.batches:
+            evidence["batches_per_epoch"] = {str(r): n for r, n in issue.batches.items()}
         if issue.pass_steps:
             evidence["pass"] = issue.ordinal
             evidence["steps_in_pass"] = {str(r): n for r, n in issue.pass_steps.items()}
@@ -410,3 +498,13 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
         # Join turns a would-be hang into handled imbalance. The book only ever raises a
         # severity, so lower it here.
         book.set_severity(finding, severity)
+
+
+def _ran_out(table: _Ordinal, short: list[int]) -> dict[int, int]:
+    """The job's step count at which each short rank ran out of the pass."""
+    out = {}
+    for r in short:
+        rec = table.recs.get(r)
+        if rec is not None and rec.first_step >= 0:
+            out[r] = rec.first_step + rec.steps
+    return out
