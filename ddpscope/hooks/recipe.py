@@ -88,6 +88,8 @@ _INTERNAL_PREFIXES = (
     os.path.dirname(os.path.dirname(__file__)) + os.sep,  # the ddpscope package
 )
 _internal_files: dict[str, bool] = {}
+#: torch's model averaging (PeriodicModelAverager, post-local SGD's partner).
+_AVERAGING = os.path.join("torch", "distributed", "algorithms", "model_averaging") + os.sep
 
 
 def _is_internal(filename: str) -> bool:
@@ -462,8 +464,11 @@ class RecipeProbe:
             return
         try:
             code = frame.f_code
-            if _is_internal(code.co_filename):
-                return  # torch calling its own collectives (Join, object collectives)
+            if _is_internal(code.co_filename) and _AVERAGING not in code.co_filename:
+                # torch calling its own collectives (Join, object collectives). Model
+                # averaging's are counted at its own site: the analysis needs to know
+                # that replicas are averaged now and then instead of kept equal.
+                return
             self.count(count_key(op, self.group_key(group_arg(args, kwargs, group_at)), frame))
         except Exception as exc:
             self.disable(exc)

@@ -10,8 +10,9 @@ other step, a GAN's two DDP models and optimizers, rank 0 saving a checkpoint
 behind a barrier (the first to slow storage: 7 s in ``torch.save``) or
 evaluating alone for 7 s (waits, not hangs), BatchNorm with
 ``broadcast_buffers=False``, whose running statistics differ across ranks by
-design (info, not a desync), and repeated augmentation, whose sampler deals
-each sample to several ranks by design (no unsharded_data).
+design (info, not a desync), repeated augmentation, whose sampler deals
+each sample to several ranks by design (no unsharded_data), and post-local
+SGD, whose replicas differ between model averages by design (info).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     return rec
 
 
-SHAPES = ["zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug"]
+SHAPES = ["zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd"]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -82,6 +83,10 @@ def test_a_healthy_job_of_this_shape_raises_nothing(
             "running_mean",
             "running_var",
         }
+    elif shape == "localsgd":
+        # Between model averages the replicas differ by design: info at most, said so.
+        for f in of_kind(doc, "desync"):
+            assert f["severity"] == "info" and f["evidence"]["model_averaging"] is True
     else:
         assert [f for f in doc["findings"] if f["kind"] == "desync"] == []
 

@@ -17,6 +17,10 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   sampler of its own deals each sample to 3 ranks, each augmenting it its own
   way (shards overlap by design), and is given ``set_epoch`` every epoch unless
   ``--no-set-epoch``;
+- ``localsgd``: post-local SGD, torch's recipe: gradients all-reduced by every
+  rank for 8 steps, then within subgroups of one rank only, the whole model
+  averaged every 4 steps (``PeriodicModelAverager``): replicas differ between
+  averages by design;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -46,7 +50,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 
 import ddpscope
 
-SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save", "repaug")
+SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd")
 
 
 class RepeatAugSampler(Sampler[int]):
@@ -172,6 +176,15 @@ def main() -> None:
     else:
         model = DDP(mlp(256))
     ddpscope.attach(model)
+    averager = None
+    if args.shape == "localsgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
+        from torch.distributed.algorithms.model_averaging import averagers
+
+        subgroup, _ = dist.new_subgroups(group_size=1)
+        state = local.PostLocalSGDState(None, subgroup=subgroup, start_localSGD_iter=8)
+        model.register_comm_hook(state, local.post_localSGD_hook)
+        averager = averagers.PeriodicModelAverager(period=4, warmup_steps=8)
     if args.shape == "zero":
         opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05
@@ -193,6 +206,8 @@ def main() -> None:
                 loss = loss_fn(model(xb), yb)
             loss.backward()
             opt.step()
+            if averager is not None:
+                averager.average_parameters(model.parameters())
             steps += 1
             if args.shape == "save" and steps % 20 == 0:
                 if rank == 0:

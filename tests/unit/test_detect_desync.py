@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from ddpscope.analysis.detectors.desync import DesyncDetector, compare
 from ddpscope.analysis.engine import Analysis
-from ddpscope.schema import End, Fingerprint, Message
-from tests.support.synth import BUFFERS, PARAMS, feed, findings, fingerprint, run_infos
+from ddpscope.schema import Collectives, End, Fingerprint, Message
+from tests.support.synth import BUFFERS, PARAMS, RUN, feed, findings, fingerprint, run_infos
 
 P = [11, 22, 33, 44]  # digests of PARAMS, in RunInfo order
 B = [55, 66, 77]  # digests of BUFFERS
@@ -191,3 +191,24 @@ def test_compare_votes_per_tensor() -> None:
 def test_parameter_and_buffer_names_come_from_run_info() -> None:
     assert [p[0] for p in PARAMS] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert len(BUFFERS) == len(B)
+
+
+def _averaging(rank: int, site: str) -> Collectives:
+    return Collectives(
+        run=RUN, rank=rank, t=1, step=1, ops=["all_reduce"], groups=[""], sites=[site], counts=[3]
+    )
+
+
+AVERAGER = "/venv/torch/distributed/algorithms/model_averaging/utils.py:44 in average_parameters"
+
+
+def test_replicas_apart_between_model_averages_are_info_and_said_to_be_local_sgd() -> None:
+    # Post-local SGD: subgroups train apart and the model is averaged every few steps.
+    apart = [*fps(2, 0), *fps(2, 4, r1=(changed(P, 0, 1), B))]
+    (f,) = findings(analyse([_averaging(0, AVERAGER), _averaging(1, AVERAGER), *apart]))
+    assert f.severity == "info" and f.evidence["model_averaging"] is True
+    assert "between model averages" in f.message and "post-local SGD" in f.message
+    assert "average_parameters()" in f.fix
+    # A collective of the script's own is no averager: the replicas should be equal.
+    (f,) = findings(analyse([_averaging(0, "train.py:9 in main"), *apart]))
+    assert f.severity == "error" and "model_averaging" not in f.evidence

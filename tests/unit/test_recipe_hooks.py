@@ -220,6 +220,25 @@ def test_collectives_are_counted_by_op_group_and_call_site(
     }
 
 
+def test_model_averaging_is_counted_at_its_own_site(
+    process_group: None, probe: RecipeProbe, capture: Capture
+) -> None:
+    # torch's other internal collectives are not the script's, but model averaging's
+    # tell the analysis that replicas are averaged now and then (local SGD).
+    from torch.distributed.algorithms.model_averaging import averagers
+
+    averager = averagers.PeriodicModelAverager(period=1, warmup_steps=0)
+    layer = nn.Linear(2, 2)
+    layer(torch.ones(1, 2)).sum().backward()  # it averages parameters that have gradients
+    params = list(layer.parameters())
+    for _ in range(2):
+        averager.average_parameters(params)
+    probe.on_step_end(1)
+    ((op, group, site), n), *_ = _counts(capture).items()
+    assert (op, group, n) == ("all_reduce", "", 2)
+    assert "/torch/distributed/algorithms/model_averaging/utils.py:" in site
+
+
 def test_counts_are_sent_on_the_agreed_steps_only(
     process_group: None, probe: RecipeProbe, capture: Capture
 ) -> None:

@@ -30,6 +30,13 @@ only normalisation layers' running statistics differ, that is what
 ``broadcast_buffers=False`` means (detectron2 and others set it on purpose:
 each rank's statistics come from its own batches), and the finding is info;
 any other buffer that differs makes it a warning.
+
+Local SGD keeps replicas apart on purpose: torch's post-local SGD all-reduces
+gradients within subgroups only and averages the whole model every few steps
+(``PeriodicModelAverager``), so between averages the parameters differ. When
+a rank's collectives include model averaging's (counted at its site in
+``torch/distributed/algorithms/model_averaging``), differing parameters are
+info, said to be the recipe's; without an averager they stay an error.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
-from ddpscope.schema import End, Fingerprint, Message
+from ddpscope.schema import Collectives, End, Fingerprint, Message
 
 KIND = "desync"
 #: Tensor names quoted in a message; the evidence keeps more.
@@ -51,11 +58,19 @@ NAMES_IN_EVIDENCE = 16
 MAX_PENDING = 256
 
 _WHAT = {"params": ("parameter", "parameters"), "buffers": ("buffer", "buffers")}
+#: Where torch's model averaging issues its all-reduce (as the Collectives sites name it).
+AVERAGING_SITE = "/model_averaging/"
 
 #: Buffers that BatchNorm (and InstanceNorm with running stats) update from the
 #: local batch: with broadcast_buffers=False they differ on a healthy run.
 NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
+_FIX_AVERAGED = (
+    "Nothing to fix while the averager runs: the replicas meet at each average. If they "
+    "should be equal at this step, check that every rank calls "
+    "averager.average_parameters() after every optimizer step, with the same period and "
+    "warm-up, on the same parameters."
+)
 _FIX_PARAMS = (
     "Replicas must apply identical updates. Usual causes: an in-place edit of weights on "
     "some ranks only (loading a checkpoint, re-initialising or clamping weights on rank 0 "
@@ -105,6 +120,8 @@ class _Memo:
     newest: dict[tuple[int, int], int] = field(default_factory=dict)
     #: (model, kind of tensor) -> newest step compared.
     latest: dict[tuple[int, str], int] = field(default_factory=dict)
+    #: A rank averages the model with torch's model averaging (local SGD).
+    averaging: bool = False
 
 
 def compare(digests: dict[int, list[int]]) -> _Diff | None:
@@ -165,7 +182,7 @@ def _broadcast_buffers(run: RunState, model: int) -> bool:
 class DesyncDetector:
     kinds: tuple[str, ...] = (KIND,)
     #: The messages observe() looks at (the engine calls it for no others).
-    observes: tuple[type, ...] = (End, Fingerprint)
+    observes: tuple[type, ...] = (End, Fingerprint, Collectives)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode
@@ -180,6 +197,10 @@ class DesyncDetector:
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if isinstance(msg, End):
             self.tick(run, book)  # a rank that left will send no more fingerprints
+            return
+        if isinstance(msg, Collectives):
+            if any(AVERAGING_SITE in site for site in msg.sites):
+                self._memos.setdefault(run.run_id, _Memo()).averaging = True
             return
         if not isinstance(msg, Fingerprint):
             return
@@ -262,7 +283,7 @@ class DesyncDetector:
             if diff is None:
                 book.resolve(KIND, _key(what, model))
             else:
-                self._report(run, what, at, diff, sorted(rows), book)
+                self._report(run, what, at, diff, sorted(rows), book, memo.averaging)
 
     def _report(
         self,
@@ -272,6 +293,7 @@ class DesyncDetector:
         diff: _Diff,
         ranks: list[int],
         book: FindingBook,
+        averaging: bool = False,
     ) -> None:
         model, step = at
         key = _key(what, model)
@@ -311,6 +333,14 @@ class DesyncDetector:
                 f"replicas have diverged: {len(label)} {noun} ({quoted}) differ across ranks "
                 f"at step {first}; {who}."
             )
+        averaged = averaging and what == "params"
+        if averaged:
+            message = (
+                f"replicas differ between model averages: {len(label)} {noun} ({quoted}) "
+                f"differ across ranks at step {first}; {who}. This run averages the model with "
+                "torch's model averaging (post-local SGD, PeriodicModelAverager): between "
+                "averages each subgroup trains its own replica, so the replicas differ by design."
+            )
         if model:
             message = f"model {model} (attached {_ordinal(model + 1)}): {message}"
         evidence: dict[str, Any] = {
@@ -329,7 +359,11 @@ class DesyncDetector:
         if what == "buffers":
             evidence["broadcast_buffers"] = False
             evidence["norm_stats_only"] = stats_only
+        if averaged:
+            evidence["model_averaging"] = True
         severity = "error" if what == "params" else "info" if stats_only else "warning"
+        if averaged:
+            severity = "info"
         book.raise_or_update(
             key,
             Finding(
@@ -338,7 +372,11 @@ class DesyncDetector:
                 ranks=diff.ranks,
                 step=step,
                 message=message,
-                fix=_FIX_PARAMS if what == "params" else _FIX_BUFFERS,
+                fix=_FIX_AVERAGED
+                if averaged
+                else _FIX_PARAMS
+                if what == "params"
+                else _FIX_BUFFERS,
                 evidence=evidence,
             ),
         )
