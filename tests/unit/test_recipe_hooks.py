@@ -227,11 +227,11 @@ def test_model_averaging_is_counted_at_its_own_site(
     # tell the analysis that replicas are averaged now and then (local SGD).
     from torch.distributed.algorithms.model_averaging import averagers
 
-    averager = averagers.PeriodicModelAverager(period=1, warmup_steps=0)
+    averager = averagers.PeriodicModelAverager(period=2, warmup_steps=0)
     layer = nn.Linear(2, 2)
     layer(torch.ones(1, 2)).sum().backward()  # it averages parameters that have gradients
     params = list(layer.parameters())
-    for _ in range(2):
+    for _ in range(4):  # averages at its steps 0 and 2
         averager.average_parameters(params)
     probe.on_step_end(1)
     ((op, group, site), n), *_ = _counts(capture).items()
