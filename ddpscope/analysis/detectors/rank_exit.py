@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpscope.analysis import error_hints
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.position import (
     EXIT_REASONS,
@@ -489,7 +490,9 @@ def _exit_fix(run: RunState, first: _Stop) -> str:
         )
     if first.how == "exception":
         end = view.end
-        known = _known_error(info.ddp if info else {}, end.error if end is not None else "")
+        known = error_hints.known_fix(
+            info.ddp if info else {}, info.params if info else [], end.error if end else ""
+        )
         if known:
             return known
         return (
@@ -501,38 +504,3 @@ def _exit_fix(run: RunState, first: _Stop) -> str:
         "(drop_last=True for exact equality), use the same stop condition (max_steps, early "
         "stopping) on every rank, or wrap the loop in torch.distributed.algorithms.Join."
     )
-
-
-def _known_error(ddp: dict[str, Any], error: str) -> str:
-    """The fix for an error whose cause is a known DDP pitfall, else ''.
-
-    ``error`` is the whole traceback: torch's message for a state_dict that
-    does not fit spans several lines, and the key lists are below its first.
-    """
-    if "expect_autograd_hooks_" in error and ddp.get("static_graph"):
-        # torch's message is an internal assert that asks for a bug report;
-        # the user's way out is a setting, not their code.
-        return (
-            "DDP(static_graph=True) raises this internal assert when a backward runs that DDP "
-            "did not prepare for: under no_sync(), as gradient accumulation does "
-            "(pytorch/pytorch#143580), or a second backward through one forward's outputs "
-            "(#106953). Build DDP without static_graph=True "
-            "(Hugging Face Trainer: ddp_static_graph=False), or accumulate without no_sync()."
-        )
-    if 'Unexpected key(s) in state_dict: "module.' in error:
-        return (
-            "The checkpoint was saved from the DDP wrapper (model.state_dict() of the "
-            "DistributedDataParallel model): every key carries the 'module.' prefix, and this "
-            "model has none. Load it into the wrapper (ddp_model.load_state_dict(state)), or "
-            "strip the prefix first: "
-            "torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state, 'module.'); "
-            "save model.module.state_dict() from now on."
-        )
-    if 'Missing key(s) in state_dict: "module.' in error:
-        return (
-            "The state_dict is being loaded into the DDP wrapper, whose keys carry the "
-            "'module.' prefix, but it was saved from the plain model. Load it into the wrapped "
-            "model instead: ddp_model.module.load_state_dict(state) (or into the model before "
-            "wrapping it in DDP)."
-        )
-    return ""
