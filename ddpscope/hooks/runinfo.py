@@ -76,7 +76,27 @@ def ddp_settings(model: Any) -> dict[str, Any]:
         "static_graph": bool(getattr(model, "static_graph", False)),
         "broadcast_buffers": bool(getattr(model, "broadcast_buffers", False)),
         "gradient_as_bucket_view": bool(getattr(model, "gradient_as_bucket_view", False)),
+        **_dp_ranks(model),
     }
+
+
+def _dp_ranks(model: Any) -> dict[str, list[int]]:
+    """``dp_ranks``: the global ranks DDP averages over, when that is not the whole world.
+
+    DDP over a subgroup (a data-parallel group beside tensor- or pipeline-
+    parallel ones) keeps replicas equal within its group only, and shards
+    data over that group: the analysis compares ranks within it.
+    """
+    group = getattr(model, "process_group", None)
+    try:
+        if group is None or not dist.is_initialized():
+            return {}
+        ranks = dist.get_process_group_ranks(group)
+        if len(ranks) >= dist.get_world_size():
+            return {}
+        return {"dp_ranks": sorted(int(r) for r in ranks)}
+    except Exception:  # a group object torch does not know (a fake, a destroyed one)
+        return {}
 
 
 def backend_of(model: Any) -> str:

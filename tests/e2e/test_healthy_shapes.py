@@ -11,8 +11,10 @@ behind a barrier (the first to slow storage: 7 s in ``torch.save``) or
 evaluating alone for 7 s (waits, not hangs), BatchNorm with
 ``broadcast_buffers=False``, whose running statistics differ across ranks by
 design (info, not a desync), repeated augmentation, whose sampler deals
-each sample to several ranks by design (no unsharded_data), and post-local
-SGD, whose replicas differ between model averages by design (info).
+each sample to several ranks by design (no unsharded_data), post-local
+SGD, whose replicas differ between model averages by design (info), and a
+2-D layout on 4 ranks (DDP over data-parallel subgroups, each model-parallel
+pair with its own weights and the same shard: no desync, no shard overlap).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ STEPS = EPOCHS * 2048 // 32 // 2
 #: torch.save), or an evaluation alone (7 s on a CPU). One per job: after the first
 #: such step the hang limit is twice its length.
 OWN_WORK = {"save": ["--slow-save-s", "7"], "save-eval": ["--eval-s", "7"]}
+#: Ranks per shape: the 2-D layout pairs two DDP groups of 2 (still 2 shards of data).
+NPROC = {"dp2d": 4}
 
 
 def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
@@ -48,6 +52,7 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     # On one CPU: the ranks share what it gives (tests.support.torchrun.one_cpu).
     torchrun(
         [JOB, "--shape", shape.split("-")[0], "--epochs", str(EPOCHS), *extra],
+        nproc=NPROC.get(shape, 2),
         env=env,
         timeout=240,
         prefix=one_cpu(),
@@ -55,7 +60,9 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
     return rec
 
 
-SHAPES = ["zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd"]
+SHAPES = [
+    "zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd", "dp2d"
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -73,7 +80,9 @@ def test_a_healthy_job_of_this_shape_raises_nothing(
     # loss's, and the generator's, which flows through it) and is stepped after one:
     # two steps of it per iteration, one with no optimizer step, beside the generator's.
     per_rank = 3 * STEPS if shape == "gan" else STEPS
-    assert {r: len(ss) for r, ss in steps.items()} == {0: per_rank, 1: per_rank}
+    assert {r: len(ss) for r, ss in steps.items()} == dict.fromkeys(
+        range(NPROC.get(shape, 2)), per_rank
+    )
     assert_phases_add_up(steps)
     if shape == "bufs":
         # BatchNorm's statistics from each rank's own batches: said, as info.

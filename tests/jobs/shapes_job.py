@@ -21,6 +21,10 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   rank for 8 steps, then within subgroups of one rank only, the whole model
   averaged every 4 steps (``PeriodicModelAverager``): replicas differ between
   averages by design;
+- ``dp2d``: a 2-D layout on 4 ranks: DDP over a data-parallel subgroup ({0, 2}
+  and {1, 3}), the ranks of each "model-parallel" pair holding different
+  weights (seeded apart) and drawing the same shard: replicas are equal and
+  shards disjoint within each DDP group only;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -50,7 +54,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorData
 
 import ddpscope
 
-SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd")
+SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d")
 
 
 class RepeatAugSampler(Sampler[int]):
@@ -140,8 +144,15 @@ def main() -> None:
     x = torch.randn(args.samples, 3, 16, 16) if images else torch.randn(args.samples, 32)
     data = TensorDataset(x, torch.randint(0, 4, (args.samples,)))
     sampler: DistributedSampler[int] | RepeatAugSampler = DistributedSampler(data, seed=1)
+    dp_group = None
     if args.shape == "repaug":
         sampler = RepeatAugSampler(len(data), world, rank)
+    elif args.shape == "dp2d":
+        # Every rank creates every group, in the same order, as torch requires.
+        groups = [dist.new_group(list(range(k, world, 2))) for k in range(2)]
+        dp_group = groups[rank % 2]
+        sampler = DistributedSampler(data, num_replicas=world // 2, rank=rank // 2, seed=1)
+        torch.manual_seed(100 + rank % 2)  # each pair's shards its own weights
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
     loss_fn = nn.CrossEntropyLoss()
     steps = 0
@@ -174,7 +185,7 @@ def main() -> None:
     elif args.shape == "unused":
         model = DDP(TwoHeads(), find_unused_parameters=True)
     else:
-        model = DDP(mlp(256))
+        model = DDP(mlp(256), process_group=dp_group)
     ddpscope.attach(model)
     averager = None
     if args.shape == "localsgd":

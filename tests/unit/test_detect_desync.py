@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ddpscope.analysis.detectors.desync import DesyncDetector, compare
 from ddpscope.analysis.engine import Analysis
 from ddpscope.schema import Collectives, End, Fingerprint, Message
@@ -212,3 +214,24 @@ def test_replicas_apart_between_model_averages_are_info_and_said_to_be_local_sgd
     # A collective of the script's own is no averager: the replicas should be equal.
     (f,) = findings(analyse([_averaging(0, "train.py:9 in main"), *apart]))
     assert f.severity == "error" and "model_averaging" not in f.evidence
+
+
+def _two_groups(msgs: list[Message]) -> Analysis:
+    """4 ranks, DDP over data-parallel subgroups {0, 2} and {1, 3} (a 2-D layout)."""
+    infos = [
+        replace(i, ddp={**i.ddp, "dp_ranks": [0, 2] if i.rank % 2 == 0 else [1, 3]})
+        for i in run_infos(4)
+    ]
+    return feed(Analysis(detectors=[DesyncDetector()]), [*infos, *msgs])
+
+
+def test_replicas_are_compared_within_their_ddp_group_only() -> None:
+    # Each model-parallel pair holds its own weights: groups differ, members agree.
+    other = [v + 7 for v in P]
+    apart = {"r1": (other, B), "r3": (other, B)}
+    assert findings(_two_groups([*fps(4, 0, **apart), *fps(4, 5, **apart)])) == []
+    # Rank 3 leaves its group's weights: named, against its own group only.
+    wrong = {**apart, "r3": (changed(other, 2), B)}
+    (f,) = findings(_two_groups([*fps(4, 0, **apart), *fps(4, 5, **wrong)]))
+    assert f.severity == "error" and f.ranks == [1, 3] and f.evidence["names"] == ["2.weight"]
+    assert "rank 3 differs from rank 1, the reference" in f.message

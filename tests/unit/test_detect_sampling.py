@@ -975,3 +975,31 @@ def test_batch_level_shards_overlapping_beyond_their_padding_are_named() -> None
     sim.epoch(_batch_shards(512, 3, 16, stolen=3), 16)
     f = only(analyse(sim.msgs)[0], "shard_overlap")
     assert 0 in f.ranks and 2 in f.ranks, f.ranks
+
+
+def _dp2d(sim: Sim) -> Sim:
+    """Ranks of sim run DDP over data-parallel subgroups {0, 2} and {1, 3}."""
+    from dataclasses import replace
+
+    from ddpscope.schema import RunInfo
+
+    sim.msgs = [
+        replace(m, ddp={**m.ddp, "dp_ranks": [0, 2] if m.rank % 2 == 0 else [1, 3]})
+        if isinstance(m, RunInfo)
+        else m
+        for m in sim.msgs
+    ]
+    return sim
+
+
+def test_ddp_over_subgroups_shards_within_each_group() -> None:
+    # 4 ranks, 2 data-parallel shards: each model-parallel pair draws one shard by design.
+    sim = _dp2d(Sim(4))
+    sim.epoch({r: dist_plan(512, 2, r // 2) for r in range(4)}, 16)
+    quiet(analyse(sim.msgs)[0])
+    # Within one DDP group two ranks on the same shard are still named.
+    sim = _dp2d(Sim(4))
+    sim.epoch({r: dist_plan(512, 2, 0) for r in range(4)}, 16)
+    found = of(analyse(sim.msgs)[0], "shard_overlap")
+    assert found and all(set(f.ranks) <= {0, 1, 2, 3} for f in found)
+    assert any("give DistributedSampler the same rank" in f.message for f in found)

@@ -31,6 +31,10 @@ only normalisation layers' running statistics differ, that is what
 each rank's statistics come from its own batches), and the finding is info;
 any other buffer that differs makes it a warning.
 
+DDP over a subgroup (``process_group=``, the data-parallel group of a 2-D
+layout) keeps replicas equal within that group only: ranks are compared
+with the others of their group (``ddp["dp_ranks"]`` in the run info).
+
 Local SGD keeps replicas apart on purpose: torch's post-local SGD all-reduces
 gradients within subgroups only and averages the whole model every few steps
 (``PeriodicModelAverager``), so between averages the parameters differ. When
@@ -45,6 +49,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
@@ -122,6 +127,17 @@ class _Memo:
     latest: dict[tuple[int, str], int] = field(default_factory=dict)
     #: A rank averages the model with torch's model averaging (local SGD).
     averaging: bool = False
+
+
+def _merged(diffs: list[tuple[_Diff, list[int]]]) -> tuple[_Diff, list[int]]:
+    """Several DDP groups' differences as one: every tensor and rank named in any."""
+    indices = sorted({i for d, _ in diffs for i in d.indices})
+    minority: Counter[int] = Counter()
+    for d, _ in diffs:
+        minority.update(d.minority)
+    ambiguous = sum(d.ambiguous for d, _ in diffs)
+    ranks = sorted({r for _, g in diffs for r in g})
+    return _Diff(indices, minority, ambiguous, sorted(minority)), ranks
 
 
 def compare(digests: dict[int, list[int]]) -> _Diff | None:
@@ -279,11 +295,19 @@ class DesyncDetector:
             if step < memo.latest.get((model, what), -1):
                 continue  # a late, older step must not overwrite a newer verdict
             memo.latest[(model, what)] = step
-            diff = compare({r: list(getattr(fp, what)) for r, fp in rows.items()})
-            if diff is None:
+            # DDP keeps replicas equal within its process group: compared group by group.
+            groups = by_group(run, list(rows)) if model == 0 else [sorted(rows)]
+            diffs = [
+                (d, g)
+                for g in groups
+                if len(g) >= 2
+                and (d := compare({r: list(getattr(rows[r], what)) for r in g})) is not None
+            ]
+            if not diffs:
                 book.resolve(KIND, _key(what, model))
             else:
-                self._report(run, what, at, diff, sorted(rows), book, memo.averaging)
+                diff, ranks = diffs[0] if len(diffs) == 1 else _merged(diffs)
+                self._report(run, what, at, diff, ranks, book, memo.averaging)
 
     def _report(
         self,

@@ -18,7 +18,9 @@ limitation of index-based evidence: ranks that each load *different* data of
 the same length are indistinguishable from ranks that load the same data.
 A sampler that deals each sample to several ranks on purpose (repeated
 augmentation: ``SamplerPass.repeats`` above 1) is not measured: its overlap
-is its design.
+is its design. Under DDP over subgroups (a 2-D layout) ranks are judged
+within their DDP group: ``num_replicas`` should be the group's size, and
+ranks of different groups (a tensor-parallel pair) draw alike by design.
 
 Passes and their sketches come from the pass ledger (sampling/ledger.py).
 """
@@ -38,6 +40,7 @@ from ddpscope.analysis.detectors.sampling.ledger import (
     PassRec,
 )
 from ddpscope.analysis.detectors.sampling.overlap import MIN_OVERLAP, SketchUnion
+from ddpscope.analysis.dpgroups import dp_group, dp_size
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import by_value, nth, ranks_phrase
@@ -64,6 +67,11 @@ def _minority(values: dict[int, Any]) -> list[int]:
 
 def _world(run: RunState) -> int:
     return max(run.world_size, len(run.ranks))
+
+
+def _dp_noun(run: RunState) -> str:
+    """What num_replicas should equal: the world size, or DDP's group size."""
+    return "DDP's process group size" if dp_size(run) != run.world_size else "the world size"
 
 
 FIX_DISTRIBUTED = (
@@ -172,7 +180,7 @@ class _ShardRun:
     tallies: dict[int, _Tally] = field(default_factory=dict)
     #: loader -> rank -> trained pass over a whole unwrapped dataset, non-distributed.
     plain: dict[int, dict[int, SamplerPass]] = field(default_factory=dict)
-    unions: dict[tuple[int, int, int], SketchUnion] = field(default_factory=dict)
+    unions: dict[tuple[int, int, int, tuple[int, ...]], SketchUnion] = field(default_factory=dict)
     issues: dict[tuple[str, int], _Issue] = field(default_factory=dict)
 
 
@@ -214,7 +222,7 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
         if not b.distributed:
             return
         tally = st.tallies.setdefault(b.loader, _Tally())
-        if not tally.put(b) or not tally.suspicious(run.world_size):
+        if not tally.put(b) or not tally.suspicious(dp_size(run)):
             return
         dist = {r: x for r, x in begins.items() if x.distributed}
         self._settings(run, st, b, dist, book)
@@ -227,7 +235,7 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
         dist: dict[int, SamplerPass],
         book: FindingBook,
     ) -> None:
-        world = run.world_size
+        world = dp_size(run)  # the ranks DDP shards over: a subgroup under 2-D layouts
         replicas = {r: x.num_replicas for r, x in dist.items()}
         found: dict[str, tuple[str, list[int], str, str]] = {}
         if world > 1:
@@ -245,7 +253,7 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
                 found["replicas"] = (
                     "shard_overlap",
                     sorted(off),
-                    f"DistributedSampler num_replicas is {by_value(off)} but the world size is "
+                    f"DistributedSampler num_replicas is {by_value(off)} but {_dp_noun(run)} is "
                     f"{world}: shards are cut for the wrong number of ranks, so ranks share "
                     f"shards or some shards are never drawn",
                     FIX_REPLICAS,
@@ -278,10 +286,11 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
                 f"shuffled and unshuffled slices overlap",
                 FIX_SHUFFLE,
             )
-        slots: dict[tuple[int, int], list[int]] = {}
+        # Ranks of different DDP groups (a tensor-parallel pair) share a shard by design.
+        slots: dict[tuple[tuple[int, ...], int, int], list[int]] = {}
         for r, x in dist.items():
             if x.num_replicas > 1 and (world <= 1 or x.num_replicas == world):
-                slots.setdefault((x.num_replicas, x.sampler_rank), []).append(r)
+                slots.setdefault((dp_group(run, r), x.num_replicas, x.sampler_rank), []).append(r)
         twins = sorted(r for rs in slots.values() if len(rs) > 1 for r in rs)
         if twins:
             given = {r: dist[r].sampler_rank for r in twins}
@@ -315,7 +324,12 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
             return
         plain = st.plain.setdefault(b.loader, {})
         plain[b.rank] = b
-        ranks = sorted(r for r, x in plain.items() if x.dataset_len == b.dataset_len)
+        group = dp_group(run, b.rank)
+        ranks = sorted(
+            r
+            for r, x in plain.items()
+            if x.dataset_len == b.dataset_len and dp_group(run, r) == group
+        )
         if len(ranks) < 2:
             return
         text = (
@@ -334,12 +348,13 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
         if b.repeats > 1:
             # Repeated augmentation deals each sample to several ranks on purpose.
             return
-        # DistributedSampler passes of different epochs are different permutations.
-        key = (rec.loader, rec.ordinal, b.epoch if b.distributed else -1)
+        # DistributedSampler passes of different epochs are different permutations; DDP
+        # groups (2-D layouts) shard apart, and their ranks may draw alike by design.
+        key = (rec.loader, rec.ordinal, b.epoch if b.distributed else -1, dp_group(run, rec.rank))
         union = st.unions.get(key)
         if union is None:
-            union = st.unions[key] = SketchUnion(_world(run))
-            old = sorted(k for k in st.unions if k[0] == rec.loader)
+            union = st.unions[key] = SketchUnion(dp_size(run) or _world(run))
+            old = sorted(k for k in st.unions if k[0] == rec.loader and k[3] == key[3])
             for k in old[:-KEEP_ORDINALS]:
                 del st.unions[k]
         if not union.add(rec) or not union.flagged:
