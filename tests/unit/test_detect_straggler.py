@@ -426,3 +426,30 @@ def test_bucket_fallback_still_leaves_out_the_broadcast_wait() -> None:
     assert [f.ranks for f in found] == [[1]]
     assert found[0].evidence["own_ms"] == pytest.approx(160, abs=1.5)
     assert found[0].evidence["others_wait_in"] == "ddp_sync"
+
+
+def test_under_ddp_subgroups_a_rank_is_compared_with_its_own_group() -> None:
+    # A 2-D layout on 4 ranks: DDP groups {0, 2} and {1, 3}. Group {1, 3} computes twice
+    # as much per step and rank 1 is slow on top: rank 3 waits for rank 1 only, and its
+    # own work, twice that of ranks 0 and 2, is its group's pace, not a straggler's.
+    def group(slow: bool, more: int):  # type: ignore[no-untyped-def]
+        def timing(rank: int, step: int) -> Phases:
+            p = BASE.plus(backward=more)
+            return p.plus(data=3 * BASE.total) if slow and rank == 0 and step >= ONSET else p
+
+        return timing
+
+    remap = [{0: 0, 1: 2}, {0: 1, 1: 3}]
+    msgs: list[Message] = []
+    for g, timing in enumerate([group(False, 0), group(True, BASE.total)]):
+        msgs += [dataclasses.replace(m, rank=remap[g][m.rank]) for m in lockstep(2, 80, timing)]
+    infos = [
+        dataclasses.replace(i, ddp={**i.ddp, "dp_ranks": [0, 2] if i.rank % 2 == 0 else [1, 3]})
+        for i in run_infos(4)
+    ]
+    msgs.sort(key=lambda m: m.t)
+    found = findings(feed(Analysis(detectors=[StragglerDetector()]), [*infos, *msgs]))
+    assert [f.ranks for f in found] == [[1]]
+    # Without the groups (DDP over the world) rank 3 would read as twice as slow.
+    found = findings(feed(Analysis(detectors=[StragglerDetector()]), [*run_infos(4), *msgs]))
+    assert [1] in [f.ranks for f in found] and [3] in [f.ranks for f in found]

@@ -92,6 +92,7 @@ from typing import Any
 
 from ddpscope.analysis.detectors import contention
 from ddpscope.analysis.detectors.slow_evidence import WAIT_TEXT, evidence, host, host_hint
+from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
@@ -211,6 +212,9 @@ class _Memo:
     flagged: dict[int, _Flag] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     done_order: deque[int] = field(default_factory=deque)
+    #: Ranks by DDP group, and (ranks with run info, ranks in the row) it was made for.
+    groups: list[list[int]] = field(default_factory=list)
+    groups_for: tuple[int, int] = (-1, -1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,6 +310,33 @@ class StragglerDetector:
         if all(s.comm_wait_ns <= 0 for s in row.values()):
             waits = bucket_waits(row)  # blocking time not measured: fall back on buckets
         own = {r: own_ns(s, waits.get(r) if waits else None) for r, s in row.items()}
+        for group in self._groups(run, memo, row):
+            if len(group) >= 2:
+                self._take_group(run, memo, step, row, {r: own[r] for r in group}, book)
+
+    @staticmethod
+    def _groups(run: RunState, memo: _Memo, row: dict[int, Step]) -> list[list[int]]:
+        """The ranks of ``row`` by DDP group: a rank waits only for those of its own.
+
+        Under DDP over subgroups (a 2-D layout) a rank's all-reduce pairs it
+        with its group alone; another group's slow rank is not its straggler.
+        Computed again only when more ranks have sent their run info.
+        """
+        known = sum(1 for v in run.ranks.values() if 0 in v.infos)
+        if memo.groups_for != (known, len(row)):
+            memo.groups = by_group(run, list(row))
+            memo.groups_for = (known, len(row))
+        return memo.groups
+
+    def _take_group(
+        self,
+        run: RunState,
+        memo: _Memo,
+        step: int,
+        row: dict[int, Step],
+        own: dict[int, int],
+        book: FindingBook,
+    ) -> None:
         ordered = sorted(own.values())
         for r, value in own.items():
             ref = median_without(ordered, value)
