@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.console import Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
@@ -65,7 +65,30 @@ def evidence_block(block: EvidenceBlock, active: bool = True) -> RenderableType:
             Text("  " + ln, style="dim", no_wrap=True, overflow="ellipsis") for ln in block.lines
         ]
         return Group(*lines)
-    block = paired(block)
+    pairs = paired(block)
+    if pairs is not block:
+        return _FitPairs(block, pairs, active)
+    return _evidence_table(block, active)
+
+
+class _FitPairs:
+    """A key/value table drawn two pairs a line where they fit the width, else one.
+
+    Folded to fit, a value breaks mid-word ("exceptio" over "n") in the findings
+    panel beside the ranks table; one pair a line is longer but reads.
+    """
+
+    def __init__(self, block: EvidenceTable, pairs: EvidenceTable, active: bool) -> None:
+        self.block, self.pairs, self.active = block, pairs, active
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        widths = [max((len(row[i]) for row in self.pairs.rows), default=0) for i in range(4)]
+        fits = sum(widths) + 3 * 3 <= options.max_width  # three gaps of 3 between columns
+        yield _evidence_table(self.pairs if fits else self.block, self.active)
+
+
+def _evidence_table(block: EvidenceTable, active: bool) -> Table:
+    style = "" if active else "dim"
     header = any(block.columns)
     table = Table(
         title=literal_title(block.title) if block.title else None,

@@ -494,3 +494,23 @@ def test_the_job_log_view_tails_the_log_file(rig: Rig, tmp_path: Path) -> None:
         assert "partial" not in view.lines  # shown once its line is complete
 
     drive(app, scenario)
+
+
+def test_key_value_evidence_pairs_up_only_where_the_pairs_fit() -> None:
+    from rich.console import Console
+
+    from ddpscope.analysis.evidence import EvidenceTable
+
+    rows = tuple((f"stopped.1.key{i}", "exception") for i in range(8))
+    block = EvidenceTable(title="", columns=("", ""), rows=rows)
+
+    def drawn(width: int) -> list[str]:
+        console = Console(width=width, record=True, color_system=None)
+        console.print(evidence_block(block))
+        return console.export_text().splitlines()
+
+    wide = drawn(120)
+    assert len(wide) == 4 and wide[0].count("exception") == 2  # two pairs a line
+    narrow = drawn(40)
+    # One pair a line, every value whole: never "exceptio" over "n".
+    assert len(narrow) == 8 and all(line.rstrip().endswith("exception") for line in narrow)
