@@ -43,6 +43,8 @@ class StepRecord(NamedTuple):
     b_detail: bool
     #: Steps between two with bucket detail, as chosen when this step began.
     b_every: int
+    #: The optimizer stepped on gradients no backward of the step all-reduced.
+    unsynced: bool
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

@@ -862,6 +862,7 @@ class StepTracker:
                 self._join,
                 self.detail,
                 every if self._timed else 0,
+                self._opt > 0 and self._bwd > 0 and not self._synced,
             ),
         )
         cpu = self._cpu
@@ -1050,6 +1051,8 @@ class StepTracker:
             "coll_wait_ns": coll_wait,
             "join": rec.joined,
         }
+        if rec.unsynced:
+            fields["unsynced"] = True
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

@@ -10,6 +10,7 @@ checkpointing), a backward on another thread, and leaving torch as it was.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import time
@@ -150,3 +151,22 @@ def test_a_copy_of_an_attached_model_trains_without_ddpscope(fresh_rank: Path) -
     assert not twin.module.bias._post_accumulate_grad_hooks
     twin(torch.randn(4, 8)).sum().backward()
     assert twin.module.weight.grad is not None
+
+
+def test_an_optimizer_step_after_only_no_sync_backwards_is_marked_unsynced(
+    fresh_rank: Path,
+) -> None:
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for cycle in range(3):
+        for micro in range(2):
+            # The last cycle is an epoch's tail: both micro-batches under no_sync().
+            last = micro == 1 and cycle < 2
+            with contextlib.nullcontext() if last else model.no_sync():
+                model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    got = _steps(handle, fresh_rank)
+    assert [(s.micro_batches, s.unsynced) for s in got] == [(2, False), (2, False), (2, True)]

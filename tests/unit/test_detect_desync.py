@@ -235,3 +235,21 @@ def test_replicas_are_compared_within_their_ddp_group_only() -> None:
     (f,) = findings(_two_groups([*fps(4, 0, **apart), *fps(4, 5, **wrong)]))
     assert f.severity == "error" and f.ranks == [1, 3] and f.evidence["names"] == ["2.weight"]
     assert "rank 3 differs from rank 1, the reference" in f.message
+
+
+def test_an_optimizer_step_on_unsynced_gradients_is_named_as_the_likely_cause() -> None:
+    from tests.support.synth import step_at
+
+    # Accumulation whose epoch ends mid-cycle: step 2's backwards all ran under
+    # no_sync() and the optimizer stepped after the loop anyway.
+    tail = [replace(step_at(r, 2, 10 + r), unsynced=True) for r in range(2)]
+    msgs = [*fps(2, 0), *tail, *fps(2, 5, r1=(changed(P, 0, 1), B))]
+    (f,) = findings(analyse(msgs))
+    assert f.severity == "error" and f.evidence["unsynced_steps"] == [2]
+    assert "Before it, step 2 stepped the optimizer on gradients no backward all-reduced" in (
+        f.message
+    )
+    assert "outside `model.no_sync()`" in f.fix and "len(loader)" in f.fix
+    # Without such a step the usual fix stands.
+    (f,) = findings(analyse([*fps(2, 0), *fps(2, 5, r1=(changed(P, 0, 1), B))]))
+    assert "unsynced_steps" not in f.evidence and "in-place edit" in f.fix

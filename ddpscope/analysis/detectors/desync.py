@@ -53,7 +53,7 @@ from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
-from ddpscope.schema import Collectives, End, Fingerprint, Message
+from ddpscope.schema import Collectives, End, Fingerprint, Message, Step
 
 KIND = "desync"
 #: Tensor names quoted in a message; the evidence keeps more.
@@ -61,6 +61,8 @@ NAMES_IN_MESSAGE = 3
 NAMES_IN_EVIDENCE = 16
 #: Incomplete steps remembered while waiting for the missing ranks.
 MAX_PENDING = 256
+#: Steps with an unsynced optimizer step remembered (the first ones tell).
+MAX_UNSYNCED = 64
 
 _WHAT = {"params": ("parameter", "parameters"), "buffers": ("buffer", "buffers")}
 #: Where torch's model averaging issues its all-reduce (as the Collectives sites name it).
@@ -70,6 +72,14 @@ AVERAGING_SITE = "/model_averaging/"
 #: local batch: with broadcast_buffers=False they differ on a healthy run.
 NORM_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
+_FIX_UNSYNCED = (
+    "Every optimizer step needs a backward outside no_sync() since the last one: DDP "
+    "all-reduces only there. In gradient accumulation, leave the last micro-batch of each "
+    "cycle outside `model.no_sync()`, including a short cycle at the end of an epoch (sync "
+    "when `(i + 1) % accum == 0 or i + 1 == len(loader)`), and never step the optimizer "
+    "after the loop on gradients no synced backward produced. Then broadcast rank 0's "
+    "weights (or reload a checkpoint) to bring the replicas back together."
+)
 _FIX_AVERAGED = (
     "Nothing to fix while the averager runs: the replicas meet at each average. If they "
     "should be equal at this step, check that every rank calls "
@@ -127,6 +137,8 @@ class _Memo:
     latest: dict[tuple[int, str], int] = field(default_factory=dict)
     #: A rank averages the model with torch's model averaging (local SGD).
     averaging: bool = False
+    #: Steps whose optimizer stepped on gradients no backward all-reduced, by rank.
+    unsynced: dict[int, list[int]] = field(default_factory=dict)
 
 
 def _merged(diffs: list[tuple[_Diff, list[int]]]) -> tuple[_Diff, list[int]]:
@@ -198,7 +210,7 @@ def _broadcast_buffers(run: RunState, model: int) -> bool:
 class DesyncDetector:
     kinds: tuple[str, ...] = (KIND,)
     #: The messages observe() looks at (the engine calls it for no others).
-    observes: tuple[type, ...] = (End, Fingerprint, Collectives)
+    observes: tuple[type, ...] = (End, Fingerprint, Collectives, Step)
 
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode
@@ -211,6 +223,12 @@ class DesyncDetector:
         self.tick(run, book)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
+        if type(msg) is Step:
+            if msg.unsynced:
+                unsynced = self._memos.setdefault(run.run_id, _Memo()).unsynced
+                if len(unsynced) < MAX_UNSYNCED:
+                    unsynced.setdefault(msg.step, []).append(msg.rank)
+            return
         if isinstance(msg, End):
             self.tick(run, book)  # a rank that left will send no more fingerprints
             return
@@ -307,7 +325,7 @@ class DesyncDetector:
                 book.resolve(KIND, _key(what, model))
             else:
                 diff, ranks = diffs[0] if len(diffs) == 1 else _merged(diffs)
-                self._report(run, what, at, diff, ranks, book, memo.averaging)
+                self._report(run, what, at, diff, ranks, book, memo)
 
     def _report(
         self,
@@ -317,7 +335,7 @@ class DesyncDetector:
         diff: _Diff,
         ranks: list[int],
         book: FindingBook,
-        averaging: bool = False,
+        memo: _Memo,
     ) -> None:
         model, step = at
         key = _key(what, model)
@@ -357,13 +375,28 @@ class DesyncDetector:
                 f"replicas have diverged: {len(label)} {noun} ({quoted}) differ across ranks "
                 f"at step {first}; {who}."
             )
-        averaged = averaging and what == "params"
+        averaged = memo.averaging and what == "params"
+        # A step whose optimizer ran on gradients no backward all-reduced, before the
+        # divergence was seen: the likeliest cause, said in the message and the fix.
+        alone = (
+            sorted(s for s in memo.unsynced if s <= step)
+            if what == "params" and not averaged and model == 0
+            else []
+        )
         if averaged:
             message = (
                 f"replicas differ between model averages: {len(label)} {noun} ({quoted}) "
                 f"differ across ranks at step {first}; {who}. This run averages the model with "
                 "torch's model averaging (post-local SGD, PeriodicModelAverager): between "
                 "averages each subgroup trains its own replica, so the replicas differ by design."
+            )
+        if alone:
+            ranks_alone = sorted({r for s in alone for r in memo.unsynced[s]})
+            message += (
+                f" Before it, step {alone[0]} stepped the optimizer on gradients no backward "
+                f"all-reduced (every backward of the step under no_sync(), on "
+                f"{'rank' if len(ranks_alone) == 1 else 'ranks'} {_list(ranks_alone)}): each "
+                "rank applied its own gradients."
             )
         if model:
             message = f"model {model} (attached {_ordinal(model + 1)}): {message}"
@@ -385,6 +418,8 @@ class DesyncDetector:
             evidence["norm_stats_only"] = stats_only
         if averaged:
             evidence["model_averaging"] = True
+        if alone:
+            evidence["unsynced_steps"] = alone[:NAMES_IN_EVIDENCE]
         severity = "error" if what == "params" else "info" if stats_only else "warning"
         if averaged:
             severity = "info"
@@ -396,14 +431,18 @@ class DesyncDetector:
                 ranks=diff.ranks,
                 step=step,
                 message=message,
-                fix=_FIX_AVERAGED
-                if averaged
-                else _FIX_PARAMS
-                if what == "params"
-                else _FIX_BUFFERS,
+                fix=_fix(what, averaged, bool(alone)),
                 evidence=evidence,
             ),
         )
+
+
+def _fix(what: str, averaged: bool, unsynced: bool) -> str:
+    if averaged:
+        return _FIX_AVERAGED
+    if unsynced:
+        return _FIX_UNSYNCED
+    return _FIX_PARAMS if what == "params" else _FIX_BUFFERS
 
 
 def _ordinal(n: int) -> str:
