@@ -181,6 +181,21 @@ def test_training_setup_multiplies_batch_world_and_accumulation() -> None:
     )
 
 
+def test_under_ddp_subgroups_the_global_batch_is_one_groups() -> None:
+    # A 2-D layout: DDP groups {0, 2} and {1, 3}; a model-parallel pair shares its batch.
+    stream = [
+        dataclasses.replace(m, ddp={**m.ddp, "dp_ranks": [0, 2] if m.rank % 2 == 0 else [1, 3]})
+        if isinstance(m, RunInfo)
+        else m
+        for m in setup_stream(4, 16, 0.1, accum=2)
+    ]
+    setup = training_setup(run_of(feed(Analysis([]), stream)))
+    assert (setup.global_batch, setup.dp_size, setup.world_size) == (64, 2, 4)
+    assert setup.text().startswith(
+        "global batch 64 = 16 per rank x 2 ranks of one DDP group (4 in all) x 2 accumulation"
+    )
+
+
 def test_training_setup_keeps_the_starting_lr_and_shows_where_a_schedule_took_it() -> None:
     setup = training_setup(run_of(feed(Analysis([]), setup_stream(2, 16, 0.1, decayed=0.001))))
     assert (setup.lr, setup.lr_last) == (0.1, 0.001)

@@ -12,6 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from ddpscope.analysis.dpgroups import dp_group, dp_size
 from ddpscope.analysis.state import RankView, RunState, first_optimizer, group_rates
 
 #: Steps whose micro-batch counts decide the accumulation factor.
@@ -43,6 +44,9 @@ class TrainingSetup:
     lr_groups: int
     optimizer: str
     script: str
+    #: Ranks of one DDP group: the world size unless DDP runs over subgroups, where
+    #: the global batch is one group's (a model-parallel pair shares its batch).
+    dp_size: int = 0
 
     @property
     def per_rank_batch(self) -> int | None:
@@ -60,6 +64,8 @@ class TrainingSetup:
         if self.global_batch is not None:
             accum = self.accumulation or 1
             ranks = f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"
+            if 0 < self.dp_size < self.world_size:
+                ranks = f"{self.dp_size} ranks of one DDP group ({self.world_size} in all)"
             how = f"{self.per_rank_batch} per rank x {ranks}"
             if accum > 1:
                 how += f" x {accum} accumulation steps"
@@ -78,6 +84,7 @@ class TrainingSetup:
     def to_json(self) -> dict[str, Any]:
         return {
             "world_size": self.world_size,
+            "dp_size": self.dp_size or self.world_size,
             "per_rank_batch": self.per_rank_batch,
             "accumulation": self.accumulation,
             "global_batch": self.global_batch,
@@ -159,15 +166,19 @@ def training_setup(run: RunState) -> TrainingSetup:
             script = view.info.script
     global_batch: int | None = None
     exact = False
+    dp = dp_size(run) or world
     if batches:
         ranks = run.expected_ranks()
-        if all(r in batches and r in accums for r in ranks) and len(ranks) == world:
-            global_batch = sum(batches[r] * accums[r] for r in ranks)
+        complete = all(r in batches and r in accums for r in ranks) and len(ranks) == world
+        if dp < world and ranks:
+            ranks = list(dp_group(run, ranks[0])) or ranks
+        if complete:
+            global_batch = sum(batches[r] * accums[r] for r in ranks if r in batches)
             exact = True
         else:
             per = statistics.median_low(list(batches.values()))
             accum = statistics.median_low(list(accums.values())) if accums else 1
-            global_batch = int(per * accum * max(1, world))
+            global_batch = int(per * accum * max(1, dp))
     lr, lr_last, lr_peak, groups, optimizer = _learning_rate(run)
     return TrainingSetup(
         world_size=world,
@@ -181,4 +192,5 @@ def training_setup(run: RunState) -> TrainingSetup:
         lr_groups=groups,
         optimizer=optimizer,
         script=script,
+        dp_size=dp,
     )
