@@ -333,6 +333,9 @@ class SamplerPass(Message):
     #: -1 if unknown. Steps follow batches whatever shards them (accelerate's
     #: BatchSamplerShard, a bucketing batch sampler), where samples do not.
     batches: int = -1
+    #: The sampler draws with replacement (RandomSampler or WeightedRandomSampler with
+    #: ``replacement=True``): ranks drawing apart still share samples by chance.
+    replacement: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -603,6 +603,7 @@ class SamplerProbe:
             "subset_digest": self._split_of(state, chain),
             "repeats": repeats_of(index_sampler),
             "batches": _length(batch_sampler) if batch_sampler is not None else expected,
+            "replacement": getattr(index_sampler, "replacement", False) is True,
         }
         if isinstance(index_sampler, DistributedSampler):
             # getattr: a subclass may have renamed or dropped an attribute.

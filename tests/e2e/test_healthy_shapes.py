@@ -14,7 +14,9 @@ design (info, not a desync), repeated augmentation, whose sampler deals
 each sample to several ranks by design (no unsharded_data), post-local
 SGD, whose replicas differ between model averages by design (info), and a
 2-D layout on 4 ranks (DDP over data-parallel subgroups, each model-parallel
-pair with its own weights and the same shard: no desync, no shard overlap).
+pair with its own weights and the same shard: no desync, no shard overlap),
+and weighted draws with replacement seeded per rank (they share samples by
+chance: no shard overlap).
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
 
 
 SHAPES = [
-    "zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd", "dp2d"
+    "zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd", "dp2d",
+    "weighted",
 ]  # fmt: skip
 
 

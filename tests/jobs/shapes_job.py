@@ -25,6 +25,10 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   and {1, 3}), the ranks of each "model-parallel" pair holding different
   weights (seeded apart) and drawing the same shard: replicas are equal and
   shards disjoint within each DDP group only;
+- ``weighted``: class-imbalanced data drawn with replacement by a
+  WeightedRandomSampler on each rank, seeded by its rank, ``len(dataset) /
+  world`` samples each: together one with-replacement draw, whose ranks share
+  some samples by chance;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -50,11 +54,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    Sampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import ddpscope
 
-SHAPES = ("bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d")
+SHAPES = (
+    "bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d", "weighted"
+)  # fmt: skip
 
 
 class RepeatAugSampler(Sampler[int]):
@@ -145,15 +157,25 @@ def main() -> None:
     data = TensorDataset(x, torch.randint(0, 4, (args.samples,)))
     sampler: DistributedSampler[int] | RepeatAugSampler = DistributedSampler(data, seed=1)
     dp_group = None
+    draws: WeightedRandomSampler | None = None
     if args.shape == "repaug":
         sampler = RepeatAugSampler(len(data), world, rank)
+    elif args.shape == "weighted":
+        rare = torch.arange(args.samples) % 10 == 0
+        draws = WeightedRandomSampler(
+            torch.where(rare, 9.0, 1.0),
+            num_samples=len(data) // world,
+            generator=torch.Generator().manual_seed(1000 + rank),
+        )
     elif args.shape == "dp2d":
         # Every rank creates every group, in the same order, as torch requires.
         groups = [dist.new_group(list(range(k, world, 2))) for k in range(2)]
         dp_group = groups[rank % 2]
         sampler = DistributedSampler(data, num_replicas=world // 2, rank=rank // 2, seed=1)
         torch.manual_seed(100 + rank % 2)  # each pair's shards its own weights
-    loader = DataLoader(data, batch_size=args.batch, sampler=sampler)
+    loader = DataLoader(
+        data, batch_size=args.batch, sampler=draws if draws is not None else sampler
+    )
     loss_fn = nn.CrossEntropyLoss()
     steps = 0
     if args.shape == "gan":

@@ -30,6 +30,7 @@ from tests.support.synth import findings, heartbeat, run_infos
 RUN = "synth-run"
 DIST = "torch.utils.data.distributed.DistributedSampler"
 RANDOM = "torch.utils.data.sampler.RandomSampler"
+WEIGHTED = "torch.utils.data.sampler.WeightedRandomSampler"
 SEQUENTIAL = "torch.utils.data.sampler.SequentialSampler"
 BATCH = "torch.utils.data.sampler.BatchSampler"
 TENSORS = "torch.utils.data.dataset.TensorDataset"
@@ -1003,3 +1004,25 @@ def test_ddp_over_subgroups_shards_within_each_group() -> None:
     found = of(analyse(sim.msgs)[0], "shard_overlap")
     assert found and all(set(f.ranks) <= {0, 1, 2, 3} for f in found)
     assert any("give DistributedSampler the same rank" in f.message for f in found)
+
+
+def test_draws_with_replacement_overlap_by_chance_and_only_one_order_is_named() -> None:
+    # WeightedRandomSampler(replacement=True) per rank: seeded apart, the ranks share
+    # about a third of their samples by chance, as one process's draws repeat samples.
+    def draws(seed: int) -> list[int]:
+        rnd = random.Random(seed)
+        return [rnd.randrange(1024) for _ in range(512)]
+
+    def plans(seeds: dict[int, int]) -> dict[int, Plan]:
+        return {
+            r: plain_plan(draws(s), 1024, replacement=True, sampler_type=WEIGHTED)
+            for r, s in seeds.items()
+        }
+
+    sim = Sim(2, sketch_mod=4)
+    sim.epoch(plans({0: 1, 1: 2}), 16)
+    quiet(analyse(sim.msgs)[0])
+    sim = Sim(2, sketch_mod=4)
+    sim.epoch(plans({0: 1, 1: 1}), 16)  # one seed: the very same draws
+    (f,) = of(analyse(sim.msgs)[0], "unsharded_data")
+    assert "drew the very same order" in f.message

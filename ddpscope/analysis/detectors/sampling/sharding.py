@@ -18,7 +18,9 @@ limitation of index-based evidence: ranks that each load *different* data of
 the same length are indistinguishable from ranks that load the same data.
 A sampler that deals each sample to several ranks on purpose (repeated
 augmentation: ``SamplerPass.repeats`` above 1) is not measured: its overlap
-is its design. Under DDP over subgroups (a 2-D layout) ranks are judged
+is its design; a sampler drawing with replacement is flagged only where ranks
+drew the very same order (random draws share samples by chance, across
+ranks as within one). Under DDP over subgroups (a 2-D layout) ranks are judged
 within their DDP group: ``num_replicas`` should be the group's size, and
 ranks of different groups (a tensor-parallel pair) draw alike by design.
 
@@ -359,6 +361,10 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
                 del st.unions[k]
         if not union.add(rec) or not union.flagged:
             return  # healthy shards cost O(sketch) here, never O(ranks)
+        if _with_replacement(union) and not _same_orders(union):
+            # Draws with replacement share samples by chance, across ranks as within
+            # one; only ranks that drew the very same order (one seed) are a mistake.
+            return
         flagged = sorted(union.flagged)
         excess = union.excess()
         kind = self._measured_kind(union, flagged, excess)
@@ -415,11 +421,7 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
         }
         if len(set(lengths.values())) > 1:
             text += f"; the ranks' datasets differ in length ({by_value(lengths)})"
-        digests: dict[int, list[int]] = {}
-        for r, rec in union.recs.items():
-            if rec.end is not None and rec.end.complete:
-                digests.setdefault(rec.end.digest, []).append(r)
-        same = [sorted(rs) for rs in digests.values() if len(rs) > 1]
+        same = _same_orders(union)
         if same:
             text += "; " + "; ".join(f"{ranks_phrase(rs)} drew the very same order" for rs in same)
         evidence = {
@@ -486,6 +488,19 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
                 **issue.evidence,
             },
         )
+
+
+def _same_orders(union: SketchUnion) -> list[list[int]]:
+    """Groups of ranks whose complete passes drew the very same order (equal digests)."""
+    digests: dict[int, list[int]] = {}
+    for r, rec in union.recs.items():
+        if rec.end is not None and rec.end.complete:
+            digests.setdefault(rec.end.digest, []).append(r)
+    return [sorted(rs) for rs in digests.values() if len(rs) > 1]
+
+
+def _with_replacement(union: SketchUnion) -> bool:
+    return any(rec.begin is not None and rec.begin.replacement for rec in union.recs.values())
 
 
 def _split_differs(union: SketchUnion) -> int:
