@@ -28,6 +28,7 @@ from ddpscope.analysis.views import (
     build_header,
     build_rows,
     busy_ms,
+    earlier_runs,
     finding_view,
     series,
     silent_ranks,
@@ -261,7 +262,15 @@ class Monitor:
             findings = self._finding_views(run.run_id, book)
             findings_version = book.version
         rows = build_rows(run, findings, extras, now_mono, request.series)
-        header = build_header(run, extras, now_wall, len(self.analysis.runs))
+        earlier = ""
+        if len(self.analysis.runs) > 1:
+            others = [
+                (rid, self.analysis.books[rid].sorted())
+                for rid in self.analysis.runs
+                if rid != run.run_id and rid in self.analysis.books
+            ]
+            earlier = earlier_runs(others)
+        header = build_header(run, extras, now_wall, len(self.analysis.runs), earlier)
         buckets = bucket_matrix(run, extras.bucket_memo) if request.buckets else None
         detail = None
         if request.detail_rank is not None and request.detail_rank in run.ranks:

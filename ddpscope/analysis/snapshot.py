@@ -59,6 +59,9 @@ class RunHeader:
     runs_seen: int
     #: Every rank has said it ended.
     ended: bool
+    #: The run before this one, when it has active errors or warnings (a restarted
+    #: job's failed attempt): "rs-r0: 1 error (rank_exit)"; "" otherwise.
+    earlier: str = ""
 
 
 @dataclass(frozen=True, slots=True)

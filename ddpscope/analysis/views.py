@@ -9,7 +9,7 @@ looks exactly as it did live.
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -265,7 +265,9 @@ def build_rows(
     return tuple(rows)
 
 
-def build_header(run: RunState, extras: RunExtras, now_wall: int, runs_seen: int) -> RunHeader:
+def build_header(
+    run: RunState, extras: RunExtras, now_wall: int, runs_seen: int, earlier: str = ""
+) -> RunHeader:
     infos = [v.info for v in run.ranks.values() if v.info is not None]
     hosts = tuple(sorted({i.host for i in infos}))
     durations = []
@@ -307,7 +309,29 @@ def build_header(run: RunState, extras: RunExtras, now_wall: int, runs_seen: int
         elapsed_s=elapsed,
         runs_seen=runs_seen,
         ended=ended,
+        earlier=earlier,
     )
+
+
+def earlier_runs(runs: list[tuple[str, list[Finding]]]) -> str:
+    """What the newest run before the shown one ended with, if it was an error or a warning.
+
+    ``runs`` are the other runs, oldest first, with their findings. A job torchrun
+    restarts shows its new attempt; why it restarted should not vanish with the old.
+    """
+    for run_id, found in reversed(runs):
+        active = [f for f in found if f.active and f.severity in ("error", "warning")]
+        if not active:
+            continue
+        counts = Counter(f.severity for f in active)
+        what = ", ".join(
+            f"{counts[s]} {s}{'s' if counts[s] > 1 else ''}"
+            for s in ("error", "warning")
+            if s in counts
+        )
+        kinds = ", ".join(dict.fromkeys(f.kind for f in active))
+        return f"{run_id} before it: {what} ({kinds})"
+    return ""
 
 
 def _phase_row(s: Step) -> PhaseRow:

@@ -46,6 +46,7 @@ def run_lines(head: RunHeader) -> tuple[Text, Text]:
         ("  elapsed ", "dim"),
         (fmt.clock(head.elapsed_s), "bold"),
         (f"  (run {head.runs_seen} seen; showing the newest)" if head.runs_seen > 1 else "", "dim"),
+        (f"  {head.earlier}" if head.earlier else "", "bold yellow"),
     )
     return first, second
 
