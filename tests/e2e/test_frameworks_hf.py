@@ -220,7 +220,7 @@ def test_accelerate_uneven_batches_are_named_as_the_cause_of_what_follows(
     (u,) = of_kind(doc, "uneven_inputs")
     assert u["severity"] == "error" and u["ranks"] == [1], u["message"]
     assert "len(loader): 16 on rank 0, 15 on rank 1" in u["message"]
-    assert "rank 1 drew all 15 of their batches while rank 0 still had more" in u["message"]
+    assert "rank 1 drew all 15 of its batches while rank 0 still had more" in u["message"]
     # What it led to is said as its consequence, not as a fault of its own.
     caused = [f for f in doc["findings"] if f["cause"]]
     assert {f["kind"] for f in caused} & {"hang", "rank_exit"}, brief(doc["findings"])

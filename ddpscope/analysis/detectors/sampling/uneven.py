@@ -373,7 +373,8 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
         issue.pass_steps = table.counts()
         issue.confirmed = (
             f"in the {nth(rec.ordinal)} training pass {ranks_phrase(short)} drew all {mine} of "
-            f"their batches while {ranks_phrase(more)} still had more ({by_value(more)})"
+            f"{'its' if len(short) == 1 else 'their'} batches while {ranks_phrase(more)} still "
+            f"had more ({by_value(more)})"
         )
         self._publish(st, issue, book)
 
