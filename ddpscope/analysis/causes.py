@@ -200,37 +200,29 @@ def _ran_out_mismatch(
             continue
         ranks = _ranks_of(blocked)
         ops = {int(q): v.get("op") for q, v in blocked.items() if isinstance(v, dict)}
-        long_ = ranks - short
+        ran_out, long_ = ranks & short, ranks - short
         if ranks and not long_ and not any(_in_training(ops.get(q)) for q in ranks):
             # Only the ranks that ran out are blocked in it; the ranks that never
             # issued it (named in "others") are the ones still training.
             long_ = _ranks_of(c.evidence.get("others"))
             if not long_ or long_ & short:
                 continue
-            mismatch = True
-            out[(c.kind, c.key)] = Want(
-                cause,
-                f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(ranks)} ran out "
-                f"of batches and went on to the code after the loop, while {ranks_phrase(long_)} "
-                f"still train{'s' if len(long_) == 1 else ''}: their collectives no longer "
-                "match.",
-                fix=fix,
-            )
-            continue
-        if not (ranks & short and long_):
-            continue
-        if all(_in_training(ops.get(q)) for q in long_) and not any(
-            _in_training(ops.get(q)) for q in ranks & short
+        elif not (
+            ran_out
+            and long_
+            and all(_in_training(ops.get(q)) for q in long_)
+            and not any(_in_training(ops.get(q)) for q in ran_out)
         ):
-            mismatch = True
-            out[(c.kind, c.key)] = Want(
-                cause,
-                f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(ranks & short)} ran out "
-                f"of batches and went on to the code after the loop, while {ranks_phrase(long_)} "
-                f"still train{'s' if len(long_) == 1 else ''}: their collectives no longer "
-                "match.",
-                fix=fix,
-            )
+            continue
+        mismatch = True
+        out[(c.kind, c.key)] = Want(
+            cause,
+            f"Caused by uneven_inputs (loader {loader}): {ranks_phrase(ran_out)} ran out "
+            f"of batches and went on to the code after the loop, while {ranks_phrase(long_)} "
+            f"still train{'s' if len(long_) == 1 else ''}: their collectives no longer "
+            "match.",
+            fix=fix,
+        )
     h = book.get("hang", "run")
     where = h.evidence.get("where") if h is not None else None
     if h is not None and isinstance(where, dict) and (h.kind, h.key) not in out:

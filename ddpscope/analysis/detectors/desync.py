@@ -416,13 +416,12 @@ class DesyncDetector:
         if what == "buffers":
             evidence["broadcast_buffers"] = False
             evidence["norm_stats_only"] = stats_only
-        if averaged:
-            evidence["model_averaging"] = True
-        if alone:
-            evidence["unsynced_steps"] = alone[:NAMES_IN_EVIDENCE]
         severity = "error" if what == "params" else "info" if stats_only else "warning"
         if averaged:
+            evidence["model_averaging"] = True
             severity = "info"
+        if alone:
+            evidence["unsynced_steps"] = alone[:NAMES_IN_EVIDENCE]
         book.raise_or_update(
             key,
             Finding(

@@ -321,21 +321,35 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
         longer = {r: n for r, n in counts.items() if n > low}
         if not longer:
             return
+        short = sorted(r for r, n in table.finals.items() if n == low)
+        so_far = " so far" if any(r not in table.finals for r in longer) else ""
+        text = (
+            f"in the {nth(rec.ordinal)} training pass {ranks_phrase(short)} moved on after "
+            f"{low} step(s) while the others ran more{so_far} ({by_value(longer)})"
+        )
+        self._confirmed(st, rec, table, short, text, book)
+
+    def _confirmed(
+        self,
+        st: _UnevenRun,
+        rec: PassRec,
+        table: _Ordinal,
+        short: list[int],
+        text: str,
+        book: FindingBook,
+    ) -> None:
+        """Tell the pass of ``rec`` uneven for certain, ``short`` the ranks that ran out."""
+        assert rec.begin is not None
         table.confirmed = True
         issue = self._issue(st, rec.loader, rec.begin)
         if issue.confirmed and issue.ordinal != rec.ordinal:
             return  # the first uneven pass tells the story; later ones repeat it
-        short = sorted(r for r, n in table.finals.items() if n == low)
-        so_far = " so far" if any(r not in table.finals for r in longer) else ""
         issue.ordinal = rec.ordinal
         issue.short = short
         issue.ran_out = _ran_out(table, short)
         issue.expected = dict(sorted(table.expected.items()))
-        issue.pass_steps = counts
-        issue.confirmed = (
-            f"in the {nth(rec.ordinal)} training pass {ranks_phrase(short)} moved on after "
-            f"{low} step(s) while the others ran more{so_far} ({by_value(longer)})"
-        )
+        issue.pass_steps = table.counts()
+        issue.confirmed = text
         self._publish(st, issue, book)
 
     def _exhausted(self, st: _UnevenRun, rec: PassRec, book: FindingBook) -> None:
@@ -361,22 +375,13 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
                 more[r] = n
         if not more:
             return
-        table.confirmed = True
-        issue = self._issue(st, rec.loader, rec.begin) if rec.begin is not None else None
-        if issue is None or (issue.confirmed and issue.ordinal != rec.ordinal):
-            return
         short = sorted(r for r, n in table.batches.items() if n == mine)
-        issue.ordinal = rec.ordinal
-        issue.short = short
-        issue.ran_out = _ran_out(table, short)
-        issue.expected = dict(sorted(table.expected.items()))
-        issue.pass_steps = table.counts()
-        issue.confirmed = (
+        text = (
             f"in the {nth(rec.ordinal)} training pass {ranks_phrase(short)} drew all {mine} of "
             f"{'its' if len(short) == 1 else 'their'} batches while {ranks_phrase(more)} still "
             f"had more ({by_value(more)})"
         )
-        self._publish(st, issue, book)
+        self._confirmed(st, rec, table, short, text, book)
 
     def _exited(self, st: _UnevenRun, ledger: PassLedger, rank: int, book: FindingBook) -> None:
         """A rank exits while another still has more than a step of data in its pass."""
