@@ -57,8 +57,11 @@ The rank(s) behind: the lowest step count when counts differ; else the live
 ranks outside every collective while the others wait in one; else ranks that
 send no telemetry (never heard, or ddpscope closed/disabled there); else, when
 all wait at one step, those at a minority position (gradient bucket, or
-collective and call site). The message says where the behind rank is (loading
-data, in its forward, between steps in its own code, ...) and where the others
+collective and call site); the message calls those "at another collective than
+the others", not behind, as they may be ahead (a rank that drew one batch more
+than the others waits in its gradient all-reduce). The message says where the
+behind rank is (loading data, in its forward, between steps in its own code,
+...) and where the others
 wait ("waiting in broadcast (DDP buffers)", "waiting in all_reduce at
 train.py:57 in main"); the evidence has every rank's position and the behind
 rank's last Python stack (main thread).
@@ -472,7 +475,12 @@ def _hang_message(
         w = by_rank[behind[0]]
         verb = "is" if len(behind) == 1 else "are"
         share = (computing or {}).get(w.rank)
-        if share is None:
+        if share is None and not dark and all(x.waiting for x in live):
+            # Every rank waits, these at another collective than the rest: they may
+            # as well be ahead (a rank that drew one batch more than the others).
+            lead = f"{ranks_phrase(behind)} {verb} at another collective than the others, "
+            lead += w.describe()
+        elif share is None:
             lead = f"{ranks_phrase(behind)} {verb} behind, {w.describe()}"
         else:
             # Its phase is where it last was ("loading data" between steps); what it
