@@ -58,10 +58,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=50.0, help="straggler's extra ms/step")
     p.add_argument(
         "--slow-phase",
-        choices=["between", "data", "forward"],
+        choices=["between", "after", "data", "forward"],
         default="between",
         help="where the straggler loses its time: between backward and optimizer.step(), "
-        "in its data loading (the collate function), or inside its model's forward",
+        "after optimizer.step() (where scripts log on rank 0), in its data loading (the "
+        "collate function), or inside its model's forward",
     )
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="cnn: Conv+BatchNorm")
     p.add_argument("--loss-allreduce", action="store_true", help="all-reduce the loss each step")
@@ -317,6 +318,8 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 # Logging the mean loss over ranks, as many scripts do every step.
                 logged = loss.detach().clone()
                 dist.all_reduce(logged)
+            if rank == args.slow_rank and args.slow_phase == "after":
+                time.sleep(args.slow_ms / 1000)  # rank 0's logging, a metrics flush
             step += 1
             now = time.perf_counter()
             times.append(now - last)

@@ -38,6 +38,7 @@ from ddpscope.hooks import (
     compiled,
     crashstacks,
     forward,
+    loaderwait,
     recipe,
     runinfo,
 )
@@ -118,6 +119,7 @@ class _Process:
             training=self._training,
         )
         self.sampler_probe.install()
+        loaderwait.install()
         self.recipe = recipe.RecipeProbe(
             post=lambda kind, fields: self.publisher.post(kind, 0, fields),
             post_model=self.publisher.post,
@@ -141,10 +143,7 @@ class _Process:
         return torch.is_grad_enabled() and any(h.model.training for h in self.handles)
 
     def _periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
-        out: list[tuple[str, int, dict[str, Any]]] = []
-        for h in self.handles:
-            out.extend(h.periodic())
-        return out
+        return [item for h in self.handles for item in h.periodic()]
 
     def _before_compile(self, module: Any) -> None:
         for h in self.handles:
@@ -231,6 +230,7 @@ class _Process:
             except Exception:
                 pass
             compiled.uninstall()
+            loaderwait.uninstall()
             if self.timer is not None:
                 collectives.uninstall(self.timer)
             self.recipe.finish()

@@ -45,6 +45,10 @@ class StepRecord(NamedTuple):
     b_every: int
     #: The optimizer stepped on gradients no backward of the step all-reduced.
     unsynced: bool
+    #: Host ns the training thread spent in DataLoader ``__next__`` since the last
+    #: step's close, and in how many calls (hooks/loaderwait.py; 0: none seen).
+    fetch_ns: int
+    fetch_calls: int
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

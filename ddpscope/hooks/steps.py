@@ -62,7 +62,7 @@ from typing import Any, Protocol
 import torch
 
 from ddpscope.hooks import backward as backward_calls
-from ddpscope.hooks import comm
+from ddpscope.hooks import comm, loaderwait
 from ddpscope.hooks.clocks import Clock
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.records import Collective, Interval, StepRecord
@@ -244,6 +244,9 @@ class StepTracker:
         #: forward output's gradient hook marks backward instead).
         self._marker: Any = None
         self._new_step(None)
+        #: hooks/loaderwait.py's totals at the last step's close.
+        self._fetch_mark = loaderwait.waited_ns
+        self._calls_mark = loaderwait.calls
         self._prev_end: int | None = None
         self._eval_start = 0
         self._fwd_start = 0
@@ -863,8 +866,12 @@ class StepTracker:
                 self.detail,
                 every if self._timed else 0,
                 self._opt > 0 and self._bwd > 0 and not self._synced,
+                loaderwait.waited_ns - self._fetch_mark,
+                loaderwait.calls - self._calls_mark,
             ),
         )
+        self._fetch_mark = loaderwait.waited_ns
+        self._calls_mark = loaderwait.calls
         cpu = self._cpu
         pub, lane = self.pub, self._lane
         if pub.alive:  # Publisher.post, spelled out
@@ -1025,6 +1032,10 @@ class StepTracker:
         data = max(0, data - rec.eval_ns)
         sync_wait, coll_wait, data_out = self._collective_waits(colls, at, spans, sums)
         data = max(0, data - data_out)
+        if rec.fetch_calls:
+            # The loop draws from a DataLoader on this thread: the rest of the gap
+            # is its own code (logging, callbacks, a checkpoint), "other".
+            data = min(data, rec.fetch_ns)
         offsets = [at(t) - t_start for t in b_start]
         durations = [at(e) - at(s) if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
         accounted = data + sum(sums.values()) + sync_wait + coll_wait

@@ -51,6 +51,9 @@ STRAGGLERS = [
     pytest.param("forward", ["--loss-allreduce", "--barrier"], 2, "forward", id="forward-logging"),
     pytest.param("between", [], 3, "other", id="between-3ranks"),
     pytest.param("between", ["--loss-allreduce", "--barrier"], 2, "other", id="between-logging"),
+    # After optimizer.step(), before the next batch: not data loading, even with
+    # forked DataLoader workers that leave the loader's own wait near zero.
+    pytest.param("after", ["--workers", "2"], 3, "other", id="after-step-workers-3ranks"),
 ]
 
 
@@ -79,7 +82,7 @@ def test_a_slow_rank_of_a_batchnorm_job_is_named_with_its_phase(
         assert waits > SLOW_MS * 0.6, (rank, waits)
         assert median([getattr(s, f"{phase}_ns") / 1e6 for s in later]) < SLOW_MS / 3
         assert all("broadcast" in s.c_op for s in later)
-        if extra:
+        if "--loss-allreduce" in extra:
             assert all("all_reduce" in s.c_op for s in later)
 
 
