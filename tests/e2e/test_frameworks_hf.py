@@ -182,6 +182,21 @@ def hf_straggler(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return record(tmp, f"ipc://{tmp}/s", HF, "--slow-ms", SLOW_MS)
 
 
+def test_a_slow_trainer_callback_is_the_ranks_own_code_not_data_loading(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """on_step_end runs after the optimizer step, before the next batch is drawn:
+    booked as data it read as an input pipeline to fix."""
+    rec = record(tmp_path, endpoint, HF, "--slow-ms", SLOW_MS, "--slow-in", "callback")
+    steps = steps_of(rec)
+    assert median_ms(steps[1], "other_ns") > 30 and median_ms(steps[1], "data_ns") < 10
+    assert_phases_add_up(steps)
+    found = [f for f in serious(report(rec)) if f["kind"] == "straggler"]
+    assert [f["ranks"] for f in found] == [[1]], brief(found)
+    assert found[0]["evidence"]["grown_phases"][0] == "other", found[0]["evidence"]
+    assert "input pipeline" not in found[0]["fix"]
+
+
 def test_hf_data_straggler_is_measured_in_accelerates_collective(hf_straggler: Path) -> None:
     steps = steps_of(hf_straggler)
     slow, fast = steps[1], steps[0]

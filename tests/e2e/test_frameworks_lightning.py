@@ -124,6 +124,23 @@ def test_lightning_data_straggler_is_measured_on_both_sides(lightning_straggler:
 def test_lightning_data_straggler_is_named_with_its_rank(lightning_straggler: Path) -> None:
     found = [f for f in serious(report(lightning_straggler)) if f["kind"] == "straggler"]
     assert [f["ranks"] for f in found] == [[1]], brief(found)
+    assert found[0]["evidence"]["grown_phases"][0] == "data", found[0]["evidence"]
+
+
+def test_a_slow_lightning_callback_is_the_ranks_own_code_not_data_loading(
+    tmp_path: Path, endpoint: str
+) -> None:
+    """on_train_batch_end runs after the optimizer step, before the next batch is
+    drawn: booked as data it read as an input pipeline to fix."""
+    flags = ["--slow-ms", SLOW_MS, "--slow-in", "callback", "--epochs", "5"]
+    rec = record(tmp_path, endpoint, LIGHTNING, *flags)
+    steps = steps_of(rec)
+    assert median_ms(steps[1], "other_ns") > 30 and median_ms(steps[1], "data_ns") < 10
+    assert_phases_add_up(steps)
+    found = [f for f in serious(report(rec)) if f["kind"] == "straggler"]
+    assert [f["ranks"] for f in found] == [[1]], brief(found)
+    assert found[0]["evidence"]["grown_phases"][0] == "other", found[0]["evidence"]
+    assert "input pipeline" not in found[0]["fix"]
 
 
 @pytest.mark.parametrize("attach", [False, True], ids=["zero-code", "attach"])

@@ -87,9 +87,17 @@ def model() -> Any:
 
 
 def trainer(args: argparse.Namespace) -> None:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    callbacks: list[Any] = []
+    class SlowCallback(TrainerCallback):
+        """Takes its time on one rank after each optimizer step, as a rank-0 logger
+        does: a straggler outside data loading."""
+
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            if args.slow_ms and rank() == args.slow_rank:
+                time.sleep(args.slow_ms / 1000)
+
+    callbacks: list[Any] = [SlowCallback()] if args.slow_in == "callback" else []
     if args.callback:
         from ddpscope.hf import DDPScopeCallback
 
@@ -114,7 +122,9 @@ def trainer(args: argparse.Namespace) -> None:
             model=model(),
             args=targs,
             train_dataset=Tokens(args.samples),
-            data_collator=SlowCollate(args.slow_rank, args.slow_ms),
+            data_collator=SlowCollate(
+                args.slow_rank, args.slow_ms if args.slow_in == "collate" else 0
+            ),
             callbacks=callbacks,
         )
         t.train()
@@ -188,6 +198,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-ms", type=float, default=0)
+    p.add_argument(
+        "--slow-in", choices=["collate", "callback"], default="collate", help="trainer: where"
+    )
     p.add_argument("--same-batches", action="store_true")
     p.add_argument("--dispatch", action="store_true", help="accelerate: rank 0 scatters")
     p.add_argument("--no-dispatch", action="store_true", help="accelerate: never dispatch")

@@ -35,6 +35,18 @@ class SlowCollate:
         return torch.utils.data.default_collate(items)
 
 
+class SlowCallback(pl.Callback):
+    """A callback that takes its time on one rank after each optimizer step, as a
+    rank-0 logger or metrics flush does: a straggler outside data loading."""
+
+    def __init__(self, slow_rank: int, slow_ms: float) -> None:
+        self.slow_rank, self.slow_ms = slow_rank, slow_ms
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.slow_ms and rank() == self.slow_rank:
+            time.sleep(self.slow_ms / 1000)
+
+
 def dataset(n: int) -> TensorDataset:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 32, generator=g)
@@ -64,7 +76,9 @@ class Auto(pl.LightningModule):
             dataset(self.args.samples),
             batch_size=self.args.batch,
             shuffle=True,
-            collate_fn=SlowCollate(self.args.slow_rank, self.args.slow_ms),
+            collate_fn=SlowCollate(self.args.slow_rank, self.args.slow_ms)
+            if self.args.slow_in == "collate"
+            else None,
         )
 
 
@@ -113,11 +127,16 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-ms", type=float, default=0)
+    p.add_argument(
+        "--slow-in", choices=["collate", "callback"], default="collate", help="where it is slow"
+    )
     p.add_argument("--inner-set-epoch", action="store_true")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
     args = p.parse_args()
     torch.manual_seed(0)
     callbacks: list[pl.Callback] = []
+    if args.slow_in == "callback":
+        callbacks.append(SlowCallback(args.slow_rank, args.slow_ms))
     if args.callback:
         from ddpscope.lightning import DDPScopeCallback
 
