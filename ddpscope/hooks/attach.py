@@ -119,7 +119,7 @@ class _Process:
             training=self._training,
         )
         self.sampler_probe.install()
-        loaderwait.install()
+        loaderwait.install(self.publisher.state)
         self.recipe = recipe.RecipeProbe(
             post=lambda kind, fields: self.publisher.post(kind, 0, fields),
             post_model=self.publisher.post,

@@ -893,7 +893,9 @@ class StepTracker:
         st = self.state
         st.step = step
         st.bucket = -1
-        st.phase = "data"
+        # Where the loop draws from a DataLoader, its waits mark "data" themselves
+        # (hooks/loaderwait.py); the rest of the gap is the rank's own code.
+        st.phase = "idle" if loaderwait.calls else "data"
         st.since_ns = end if self._cpu else _monotonic_ns()
         # The next step, spelled out (this runs every step).
         self._start = end

@@ -110,3 +110,28 @@ def test_closing_the_rank_restores_torchs_own_next(fresh_rank: Path) -> None:
 
     attach._reset_for_tests()
     assert base.__dict__["__next__"] is original
+
+
+def test_the_live_phase_is_data_only_inside_the_dataloader(fresh_rank: Path) -> None:
+    """Heartbeats say "loading data" only while the rank waits for its loader; after
+    its optimizer step it is in its own code ("idle"), as a hang there should read."""
+    model = DDP(nn.Linear(8, 2))
+    handle = ddpscope.attach(model)
+    state = handle.tracker.state  # type: ignore[union-attr]
+    inside: list[str] = []
+
+    def spy(items: list[Any]) -> Any:
+        inside.append(state.phase)
+        return torch.utils.data.default_collate(items)
+
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    between: list[str] = []
+    for x, y in DataLoader(data, batch_size=8, collate_fn=spy):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        between.append(state.phase)
+    handle.close()
+    assert inside[1:] == ["data"] * 7
+    assert between == ["idle"] * 8
