@@ -841,6 +841,8 @@ class StepTracker:
             self._close_layout(step, b_index)
         every = self.bucket_every if self.fixed_every is None else self.fixed_every
         sampler = self.sampler
+        waited, calls = loaderwait.waited_ns, loaderwait.calls
+        fetches = calls - self._calls_mark
         # tuple.__new__: the record's fields without NamedTuple's Python __new__
         # (175 ns against 710 ns, timeit).
         record = _new_record(
@@ -866,12 +868,11 @@ class StepTracker:
                 self.detail,
                 every if self._timed else 0,
                 self._opt > 0 and self._bwd > 0 and not self._synced,
-                loaderwait.waited_ns - self._fetch_mark,
-                loaderwait.calls - self._calls_mark,
+                waited - self._fetch_mark,
+                fetches,
             ),
         )
-        self._fetch_mark = loaderwait.waited_ns
-        self._calls_mark = loaderwait.calls
+        self._fetch_mark, self._calls_mark = waited, calls
         cpu = self._cpu
         pub, lane = self.pub, self._lane
         if pub.alive:  # Publisher.post, spelled out
@@ -893,9 +894,9 @@ class StepTracker:
         st = self.state
         st.step = step
         st.bucket = -1
-        # Where the loop draws from a DataLoader, its waits mark "data" themselves
-        # (hooks/loaderwait.py); the rest of the gap is the rank's own code.
-        st.phase = "idle" if loaderwait.calls else "data"
+        # Where this step drew from a DataLoader, the next one's waits mark "data"
+        # themselves (hooks/loaderwait.py); the rest of the gap is its own code.
+        st.phase = "idle" if fetches else "data"
         st.since_ns = end if self._cpu else _monotonic_ns()
         # The next step, spelled out (this runs every step).
         self._start = end
