@@ -118,10 +118,11 @@ _FIX = {
         "on a slower device or offloaded, or extra work in this rank's optimizer."
     ),
     "other": (
-        "Rank {r} runs extra code each step outside forward/backward/optimizer: logging, "
-        "metrics, checkpointing or evaluation on this rank only, .item()/.cpu() "
-        "synchronisations, sleeps. Move that work off the training step, do it on every rank "
-        "in the background, or less often."
+        "Rank {r} runs extra code each step outside forward/backward/optimizer and its "
+        "DataLoader's wait: logging, metrics, callbacks, checkpointing or evaluation on this "
+        "rank only, .item()/.cpu() synchronisations, sleeps, or copying its batch to the "
+        "device (pin_memory=True with .to(device, non_blocking=True) hides that). Move that "
+        "work off the training step, do it on every rank in the background, or less often."
     ),
 }
 _FIX["backward"] = _FIX["forward"]
