@@ -29,6 +29,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -284,6 +285,9 @@ def main() -> None:
     args.width = args.width or preset["width"]
     args.batch = args.batch or preset["batch"]
     steps = args.steps or (20 if args.preset == "5ms" else 2)
+    # Stopped from outside (kill, a timeout): unwind, so that the job and the
+    # TraceML aggregator it started stop too instead of outliving the benchmark.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     have_traceml = importlib.util.find_spec("traceml_ai") is not None
     use_traceml = have_traceml and not args.no_traceml
     if not have_traceml:
