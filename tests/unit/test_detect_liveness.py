@@ -19,7 +19,7 @@ from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.position import Where
 from ddpscope.analysis.protocol import LIVE, Mode, recorded
 from ddpscope.analysis.wording import error_line, ranks_text
-from ddpscope.schema import End, Message, Stacks
+from ddpscope.schema import End, Message, Stacks, Step
 from tests.support.synth import (
     MS,
     RUN,
@@ -334,6 +334,19 @@ def test_a_rank_in_another_collective_than_the_majority_is_named_not_called_behi
         "broadcast (DDP buffers)",
         f"barrier at {SITE_BARRIER}",
     }
+
+
+def test_a_waiting_rank_a_step_short_of_the_others_is_behind() -> None:
+    """Every rank waits, rank 2 at another collective and one step short: it is
+    behind (the step count says so), not only apart."""
+    msgs = run_steps(world=3, steps=20, buffers=True)
+    t = end_of(msgs)
+    msgs = [m for m in msgs if not (isinstance(m, Step) and m.rank == 2 and m.step == 19)]
+    phases = {0: ("collective", 20), 1: ("collective", 20), 2: ("collective", 19)}
+    colls = {0: BROADCAST, 1: BROADCAST, 2: BARRIER}
+    (f,) = kinds(analyze(msgs + stuck(phases, t, 10, colls=colls)))["hang"]
+    assert f.ranks == [2]
+    assert "rank 2 is behind, waiting in barrier" in f.message
 
 
 def test_a_stall_at_step_3_after_slow_warm_up_steps_is_called_within_seconds() -> None:

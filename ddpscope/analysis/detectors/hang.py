@@ -419,13 +419,18 @@ def _as_its_stack_says(w: Where, stack: dict[str, Any]) -> Where:
     return w
 
 
+def _waiting_at_one_step(live: list[Where], dark: list[int]) -> bool:
+    """Every rank is live and waits in a collective, all at one step: what sets some
+    apart is only their position (HangDetector._behind's last rule)."""
+    return not dark and all(w.waiting for w in live) and len({w.step for w in live}) == 1
+
+
 def _stuck_together(live: list[Where], behind: list[int], dark: list[int]) -> bool:
     """Every rank is live, waits, and at one position: none is behind the others,
     the collective they are all in does not complete."""
     return (
-        not dark
+        _waiting_at_one_step(live, dark)
         and sorted(behind) == sorted(w.rank for w in live)
-        and all(w.waiting for w in live)
         and len({w.position() for w in live}) == 1
     )
 
@@ -475,7 +480,7 @@ def _hang_message(
         w = by_rank[behind[0]]
         verb = "is" if len(behind) == 1 else "are"
         share = (computing or {}).get(w.rank)
-        if share is None and not dark and all(x.waiting for x in live):
+        if share is None and _waiting_at_one_step(live, dark):
             # Every rank waits, these at another collective than the rest: they may
             # as well be ahead (a rank that drew one batch more than the others).
             lead = f"{ranks_phrase(behind)} {verb} at another collective than the others, "
