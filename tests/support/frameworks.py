@@ -82,6 +82,20 @@ def median_ms(steps: list[Step], field: str) -> float:
     return median([getattr(s, field) / 1e6 for s in steps[2:]])
 
 
+def assert_a_straggler_in_its_own_code(rec: Path, slow_rank: int = 1) -> None:
+    """The slow rank's extra time is after its optimizer step (a callback), outside
+    the DataLoader's wait: it is "other", and the finding says no word of an input
+    pipeline to fix."""
+    steps = steps_of(rec)
+    slow = steps[slow_rank]
+    assert median_ms(slow, "other_ns") > 30 and median_ms(slow, "data_ns") < 10
+    assert_phases_add_up(steps)
+    found = [f for f in serious(report(rec)) if f["kind"] == "straggler"]
+    assert [f["ranks"] for f in found] == [[slow_rank]], brief(found)
+    assert found[0]["evidence"]["grown_phases"][0] == "other", found[0]["evidence"]
+    assert "input pipeline" not in found[0]["fix"]
+
+
 def assert_launched_quietly(cmd: list[str], endpoint: str, rec: Path, steps_per_rank: int) -> None:
     """Run a launcher other than torchrun; both ranks recorded every step, nothing loud.
 
