@@ -2,11 +2,11 @@
 
 Hooks on the training path call :meth:`Publisher.post`, which appends a tuple
 to a bounded deque or counts a drop: no lock, no encoding, no I/O. This
-thread owns the ZeroMQ sockets and the record file; it wakes every tick,
-turns queued items into wire messages, sends each without blocking, and
-writes the tick's records to the file in one write. It also sends
-heartbeats and host stats, re-sends run info for late watchers, answers the
-watcher's requests, and sends the Python stacks of a rank stuck in one phase.
+thread owns the ZeroMQ sockets and the record file; each tick (50-250 ms,
+paced to the step: tickpace.py) it turns queued items into wire messages,
+sends each without blocking and writes them to the file in one write. It
+also sends heartbeats and host stats, re-sends run info for late watchers,
+answers the watcher's requests, and sends the stacks of a stuck rank.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -29,6 +30,7 @@ from ddpscope.hooks.schedwait import RunQueueWait
 from ddpscope.hooks.signalwake import GRACE_S as SIGNAL_GRACE_S
 from ddpscope.hooks.signalwake import SignalWake
 from ddpscope.hooks.stacks import all_thread_stacks
+from ddpscope.hooks.tickpace import StopWake, TickPace
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import (
     REQUESTS,
@@ -52,7 +54,6 @@ Finisher = Callable[[Any, bool], "dict[str, Any] | None"]
 #: Produces (kind, model, fields) to re-send periodically, e.g. run info.
 Periodic = Callable[[], "list[tuple[str, int, dict[str, Any]]]"]
 
-TICK_S = 0.05
 #: At start, the thread holds its first sends this long at most for the
 #: watcher's (or relay's) subscription: ZeroMQ discards what a PUB sends before
 #: it, so a run's first messages would otherwise be lost to a listening peer.
@@ -127,6 +128,7 @@ class Publisher:
         self._cap = opts.queue_size
         self._alive = True
         self._stop = threading.Event()
+        self._stop_wake = StopWake()  # a tick can be long (tickpace.py); close() cuts it
         self._periodic: list[Periodic] = []
         self._handlers: dict[str, Callable[[], None]] = {}
         self._host = host or HostProbe()
@@ -235,12 +237,13 @@ class Publisher:
     def _run(self) -> None:
         try:
             now = time.monotonic()
-            next_beat = now
-            next_resend = now
+            next_beat = next_tick = next_resend = now
             self._hold_until = now + CONNECT_GRACE_S
+            pace = TickPace(now, self._cap)
             poller = self._poller = zmq.Poller()
             poller.register(self._ctl, zmq.POLLIN)
             poller.register(self._pub, zmq.POLLIN)
+            poller.register(self._stop_wake.fileno(), zmq.POLLIN)
             for mon in self._monitors:
                 poller.register(mon, zmq.POLLIN)
             wake = self._wake if self._wake is not None and self._wake.active else None
@@ -248,7 +251,15 @@ class Publisher:
                 poller.register(wake.fileno(), zmq.POLLIN)
             signalled: tuple[int, float] | None = None
             while not self._stop.is_set():
-                ready = dict(poller.poll(int(TICK_S * 1000)))
+                # Sleep to the nearest deadline: the tick, a heartbeat, a re-send,
+                # the end of the connect grace or of a stop signal's grace.
+                due = min(next_tick, next_beat, next_resend)
+                if self._held is not None:
+                    due = min(due, self._hold_until)
+                if signalled is not None:
+                    due = min(due, signalled[1] + SIGNAL_GRACE_S)
+                timeout_ms = max(0, math.ceil((due - time.monotonic()) * 1000))
+                ready = dict(poller.poll(timeout_ms))
                 if ready:
                     if self._ctl in ready:
                         self._serve_requests()
@@ -271,8 +282,11 @@ class Publisher:
                     self.subscriptions or time.monotonic() >= self._hold_until
                 ):
                     self._release_held()
-                self._drain(force=False)
                 now = time.monotonic()
+                if now >= next_tick:
+                    items, steps_drained = self._drain(force=False)
+                    pace.drained(steps_drained, items, now)
+                    next_tick = now + pace.tick_s
                 if now >= next_resend:
                     next_resend = now + self.opts.resend_s
                     self._resend()
@@ -298,9 +312,11 @@ class Publisher:
                 return
             self.subscriptions += 1
 
-    def _drain(self, force: bool) -> None:
+    def _drain(self, force: bool) -> tuple[int, int]:
+        """Send and record what is ready in the queue; (items, of them steps) sent."""
         q = self._queue
         now = time.monotonic_ns()
+        items = steps = 0
         if q:
             self._run_queue.sample(now)
         while q:
@@ -312,7 +328,7 @@ class Publisher:
                 fields = finisher(payload, forced)
                 if fields is None:
                     if not forced:
-                        return  # keep order: later items wait for this one
+                        return items, steps  # keep order: later items wait for this one
                     q.popleft()  # nothing to send even when forced: never stall on it
                     self.dropped_queue += 1
                     continue
@@ -320,7 +336,10 @@ class Publisher:
             fields.setdefault("t", born)
             if kind == Step.KIND:
                 fields["rq_wait_ns"] = self._run_queue.at(fields.get("t_end", now))
+                steps += 1
+            items += 1
             self._emit(kind, model, fields, record=True)
+        return items, steps
 
     def _emit(self, kind: str, model: int, fields: dict[str, Any], record: bool) -> None:
         fields["run"] = self.run_id
@@ -490,6 +509,7 @@ class Publisher:
             return
         self._alive = False
         self._stop.set()
+        self._stop_wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=2.0)
             if self._thread.is_alive():
@@ -519,6 +539,7 @@ class Publisher:
         self._file_wait.close()
         self.handshakes.close()
         self._ctx.destroy(linger=EXIT_FLUSH_MS)
+        self._stop_wake.close()
 
     def _fail(self, exc: BaseException) -> None:
         self.error = f"{type(exc).__name__}: {exc}"
@@ -539,6 +560,7 @@ class Publisher:
         self._alive = False
         if self._writer is not None:
             self._writer.abandon()
+        self._stop_wake.close()  # this process's copies only
         _ORPHANS.append(self)  # keep alive so no finaliser runs in the child
 
 
