@@ -198,7 +198,7 @@ class RankExitDetector:
         """After the stream ended: ranks without an end message were killed; which first?
 
         A SIGKILLed rank loses what its publisher had not written yet (up to
-        50 ms: everything, if it dies that early), and the launcher then stops
+        a tick, 50-250 ms: everything, if it dies that early), and the launcher then stops
         the others (SIGTERM: no end message either). The rank whose record
         stops first, while another went further and kept talking, most likely
         died first; a rank with an empty record, while others trained with it,
