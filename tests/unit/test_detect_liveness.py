@@ -865,11 +865,21 @@ def test_a_rank_starved_past_the_limit_that_comes_back_to_end_is_downgraded() ->
 
 
 def killed_no_end() -> list[Message]:
-    """Rank 1 SIGKILLed with steps still in its queue; torchrun SIGTERMs rank 0: no End."""
+    """Rank 1 SIGKILLed with steps still in its queue; rank 0 waits for it in an
+    all-reduce for seconds, then is killed too (no End from either)."""
     msgs = run_steps(steps=2)
     t = end_of(msgs)
     msgs += [step_at(0, 2, t + 10 * MS), step_at(0, 3, t + 30 * MS)]
+    msgs += [heartbeat(0, 4, t + k * S, phase="allreduce") for k in (1, 2)]
     return msgs
+
+
+def killed_together() -> list[Message]:
+    """Every rank SIGKILLed at once (a time limit, ``kill -9`` of the job): each file
+    stops at its publisher's last write, rank 1's a tick before rank 0's."""
+    msgs = run_steps(steps=2)
+    t = end_of(msgs)
+    return [*msgs, step_at(0, 2, t + 10 * MS), step_at(0, 3, t + 30 * MS)]
 
 
 def finish(analysis: Analysis) -> Analysis:
@@ -888,6 +898,22 @@ def test_killed_without_any_end_message_names_the_first_record_to_stop() -> None
     assert f.evidence["others"]["0"]["state"].startswith("stopped without an end message")
 
 
+def test_ranks_killed_together_are_not_named_for_a_flush_apart() -> None:
+    # Rank 0's record holds two steps more than rank 1's, 30 ms on: rank 1 took part
+    # in both (their all-reduces needed it), its publisher had not written them yet.
+    analysis = finish(analyze(killed_together()))
+    assert "rank_exit" not in kinds(analysis)
+
+
+def test_a_rank_outlived_by_one_that_said_how_it_ended_is_named() -> None:
+    # torchrun stops the others with SIGTERM: ddpscope's handler records why.
+    msgs = killed_together()
+    msgs.append(end(0, 4, end_of(msgs) + 40 * MS, reason="signal", error="SIGTERM"))
+    (f,) = kinds(finish(analyze(msgs)))["rank_exit"]
+    assert f.severity == "warning" and f.ranks == [1] and f.step == 2
+    assert "most likely died first" in f.message
+
+
 def test_killed_so_early_its_record_is_empty() -> None:
     """The victim's publisher never wrote a message; the other rank trained with it."""
     msgs = [m for m in killed_no_end() if m.rank == 0]  # rank 0's run info says world 2
@@ -898,10 +924,11 @@ def test_killed_so_early_its_record_is_empty() -> None:
 
 
 def test_heartbeat_counts_name_the_rank_that_fell_behind() -> None:
-    """Both last steps lost; rank 0's later heartbeat shows it got further."""
+    """Both last steps lost; rank 0's heartbeats show it got further, and lived on."""
     msgs = run_steps(steps=2)
     t = end_of(msgs)
     msgs += [heartbeat(1, 2, t + 2 * MS, phase="allreduce"), heartbeat(0, 3, t + 6 * MS)]
+    msgs += [heartbeat(0, 4, t + 2 * S, phase="allreduce")]
     (f,) = kinds(finish(analyze(msgs)))["rank_exit"]
     assert f.ranks == [1] and f.step == 2
 

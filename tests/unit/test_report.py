@@ -439,9 +439,11 @@ def test_run_still_being_written(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 def killed_no_end() -> list[Message]:
+    """Rank 1 SIGKILLed; rank 0 waits for it for seconds, then is killed: no End."""
     msgs: list[Message] = [*run_infos(2), *lockstep(2, 2, constant())]
     t = max(m.t for m in msgs)
-    return [*msgs, step_msg(0, 2, t + 10 * MS), step_msg(0, 3, t + 30 * MS)]
+    waiting = [heartbeat(0, 4, t + k * S, phase="allreduce") for k in (1, 2)]
+    return [*msgs, step_msg(0, 2, t + 10 * MS), step_msg(0, 3, t + 30 * MS), *waiting]
 
 
 def test_finished_recording_without_end_messages(

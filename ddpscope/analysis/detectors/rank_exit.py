@@ -13,8 +13,8 @@ waited in a collective after the exit, or failed after it (a consequence).
 Ranks that all raised an exception are reported too (not KeyboardInterrupt:
 a user's Ctrl-C). Once the stream is over (``finish``: every writer of a
 recording is gone), ranks without an End were killed: the one whose record
-stops first, while another completed a step it never recorded, is named as a
-warning (a kill of the whole job can look alike). ``close`` and ``disabled``
+stops first, while another completed a step it never recorded and outlived
+it, is named as a warning; ranks killed together are not. ``close`` and ``disabled``
 ends only stop the telemetry, not the process: the telemetry detector reports
 those.
 """
@@ -38,6 +38,13 @@ from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.analysis.wording import NS, error_line, ranks_phrase
 from ddpscope.schema import Heartbeat, Message
+
+#: How far apart the records of ranks killed together can stop: a rank's file
+#: ends at its publisher's last write, up to one tick (hooks/tickpace.py, 250 ms
+#: at most) before its death, and that write's last message can be a step or a
+#: heartbeat (1 s) older still. A rank that went on longer than this after
+#: another's record stopped outlived it; one within it may have died with it.
+KILLED_TOGETHER_NS = 1_500_000_000
 
 
 @dataclass
@@ -200,10 +207,13 @@ class RankExitDetector:
         A SIGKILLed rank loses what its publisher had not written yet (up to
         a tick, 50-250 ms: everything, if it dies that early), and the launcher then stops
         the others (SIGTERM: no end message either). The rank whose record
-        stops first, while another went further and kept talking, most likely
-        died first; a rank with an empty record, while others trained with it,
-        too. A time limit or an OOM kill of the whole job looks alike when
-        steps are faster than the flush, hence ``certain=False`` (a warning).
+        stops first, while another went further and outlived it (said how it
+        ended, or went on talking past KILLED_TOGETHER_NS), most likely died
+        first; a rank with an empty record, while others trained with it, too.
+        Ranks killed together (a time limit, an OOM kill of the whole job, a
+        ``kill -9`` of its process group) stop a flush apart, some a step or
+        a few short of the others: none of them is named. What is left is
+        inferred, hence ``certain=False`` (a warning).
         A clean exit on any rank means the job was not killed wholesale: then
         the other rules say it all.
         """
@@ -217,7 +227,11 @@ class RankExitDetector:
                 continue
             count = v.step_count
             if any(
-                q is not v and q.step_count > count and q.last_rx_ns > v.last_rx_ns for q in heard
+                q is not v
+                and q.step_count > count
+                and q.last_rx_ns > v.last_rx_ns
+                and (q.end is not None or q.last_rx_ns - v.last_rx_ns > KILLED_TOGETHER_NS)
+                for q in heard
             ):
                 suspects.append((count, v))
         if any(v.step_count > 0 for v in heard):
