@@ -283,7 +283,7 @@ class Publisher:
                 ):
                     self._release_held()
                 now = time.monotonic()
-                if now >= next_tick:
+                if now >= next_tick or now >= next_beat:  # a heartbeat never runs ahead of steps
                     items, steps_drained = self._drain(force=False)
                     pace.drained(steps_drained, items, now)
                     next_tick = now + pace.tick_s

@@ -151,11 +151,13 @@ def test_end_of_stream_finishes_every_run_once_and_a_dropped_run_is_reset() -> N
 
 
 def test_finish_is_what_names_a_rank_killed_without_an_end_message() -> None:
-    # Rank 1's record stops at step 2 while rank 0 went on: only once the stream is
-    # over is its missing end message a kill rather than one still on its way.
+    # Rank 1's record stops at step 2 while rank 0 went on (and waited for it for two
+    # seconds): only once the stream is over is its missing end message a kill rather
+    # than one still on its way.
     msgs = [*run_infos(2), *lockstep(2, 2, constant())]
     t = max(m.t for m in msgs)
     msgs += [step_at(0, 2, t + 10 * MS), step_at(0, 3, t + 30 * MS)]
+    msgs += [heartbeat(0, 4, t + k * S, phase="allreduce") for k in (1, 2)]
     analysis = feed(build_analysis(recorded(finished=False)), msgs, tick_every_ns=250 * MS)
     analysis.tick(max(m.t for m in msgs))
     assert findings(analysis, "rank_exit") == []
