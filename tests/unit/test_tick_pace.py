@@ -107,3 +107,20 @@ def test_heartbeats_keep_their_own_schedule_under_a_long_tick(
     rf = choose_run(str(tmp_path / "rec")).files[0]
     beats = [m for m in rf.messages() if m.KIND == Heartbeat.KIND]
     assert len(beats) >= 6  # ~10 in the second, and the one at close
+
+
+def test_a_heartbeat_goes_out_after_what_was_queued_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tickpace, "TICK_MIN_S", 60.0)
+    pub = _publisher(tmp_path, heartbeat_s=0.2, resend_s=60.0)
+    try:
+        time.sleep(0.3)
+        saved = {"step": 3, "path": "/ckpt.pt", "site": "train.py:9 in main", "what": "other"}
+        pub.post(SaveCall.KIND, 0, saved)
+        time.sleep(0.5)  # two heartbeats, and no tick for a minute
+        rf = choose_run(str(tmp_path / "rec")).files[0]
+        kinds = [m.KIND for m in rf.messages()]
+    finally:
+        pub.close()
+    assert SaveCall.KIND in kinds and kinds[-1] == Heartbeat.KIND
