@@ -28,9 +28,9 @@ from ddpscope.hooks.fileio import FileWait
 from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.schedwait import RunQueueWait
 from ddpscope.hooks.signalwake import GRACE_S as SIGNAL_GRACE_S
-from ddpscope.hooks.signalwake import SignalWake
+from ddpscope.hooks.signalwake import SignalWake, StopWake
 from ddpscope.hooks.stacks import all_thread_stacks
-from ddpscope.hooks.tickpace import StopWake, TickPace
+from ddpscope.hooks.tickpace import TickPace
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import (
     REQUESTS,

@@ -17,6 +17,9 @@ its End message, then the signal's default action, as without ddpscope.
 
 Where the wakeup file is taken (an asyncio loop on the main thread owns it),
 or this is not the main thread, nothing changes: the handler runs when it can.
+
+:class:`StopWake` is the publisher's other wake-up pipe: ``close()`` writes to
+it, so the thread need not sleep out a long tick before it ends.
 """
 
 from __future__ import annotations
@@ -45,14 +48,12 @@ class SignalWake:
         try:
             previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
         except (ValueError, OSError):  # not the main thread
-            os.close(r)
-            os.close(w)
+            close_fds(r, w)
             return
         if previous != -1:
             # Someone else's (an event loop's): theirs stays.
             signal.set_wakeup_fd(previous)
-            os.close(r)
-            os.close(w)
+            close_fds(r, w)
             return
         self._r, self._w = r, w
         global _current
@@ -91,15 +92,44 @@ class SignalWake:
                 signal.set_wakeup_fd(current)  # someone took it since: leave theirs
         except (ValueError, OSError):
             pass  # not the main thread: the fd stays set, writes to it fail quietly
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_fds(self._r, self._w)
         self._r = self._w = -1
         global _current
         if _current is self:
             _current = None
+
+
+class StopWake:
+    """A pipe the publisher polls with its sockets, so that close() need not
+    wait out a long tick (tickpace.py): one byte written ends its sleep."""
+
+    __slots__ = ("_r", "_w")
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def fileno(self) -> int:
+        return self._r
+
+    def set(self) -> None:
+        try:
+            os.write(self._w, b"\0")
+        except OSError:
+            pass  # full or closed: the thread is awake, or gone, already
+
+    def close(self) -> None:
+        """Close this process's ends (in a forked child: its copies only)."""
+        close_fds(self._r, self._w)
+        self._r = self._w = -1
+
+
+def close_fds(*fds: int) -> None:
+    """Close each descriptor; one already closed (or -1) is passed over."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 #: The wake whose pipe is the wakeup file now, if any.

@@ -21,8 +21,6 @@ killed outright loses up to one tick of records.
 
 from __future__ import annotations
 
-import os
-
 #: The shortest tick: steps of 12.5 ms and less share one this long.
 TICK_MIN_S = 0.05
 #: The longest tick: an idle rank, or steps of 62.5 ms and more.
@@ -63,31 +61,3 @@ class TickPace:
         self.tick_s = tick_s
         self._steps = 0
         self._since = now
-
-
-class StopWake:
-    """A pipe the publisher polls with its sockets, so that close() need not
-    wait out a long tick: one byte written ends the thread's sleep."""
-
-    __slots__ = ("_r", "_w")
-
-    def __init__(self) -> None:
-        self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def fileno(self) -> int:
-        return self._r
-
-    def set(self) -> None:
-        try:
-            os.write(self._w, b"\0")
-        except OSError:
-            pass  # full or closed: the thread is awake, or gone, already
-
-    def close(self) -> None:
-        """Close this process's ends (in a forked child: its copies only)."""
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self._r = self._w = -1
