@@ -21,6 +21,9 @@ EXIT_REASONS = frozenset({"exit", "exception"})
 #: A rank unheard for max(SILENCE_MIN_S, SILENCE_HEARTBEATS heartbeats) is silent.
 SILENCE_MIN_S = 5.0
 SILENCE_HEARTBEATS = 5
+#: The longest a rank's publisher holds messages before it writes them
+#: (hooks/tickpace.py's TICK_MAX_S; tests hold the two equal).
+FLUSH_MAX_S = 0.25
 #: Frames of a stack kept in evidence, and ranks listed one by one.
 STACK_FRAMES = 12
 WHERE_RANKS = 32
@@ -46,6 +49,17 @@ def option(run: RunState, name: str, default: float) -> float:
 def silence_limit_s(run: RunState) -> float:
     """Seconds without a message after which a rank counts as silent."""
     return max(SILENCE_MIN_S, SILENCE_HEARTBEATS * option(run, "heartbeat_s", 1.0))
+
+
+def killed_together_s(run: RunState) -> float:
+    """How far apart the records of ranks killed at once can stop.
+
+    A killed rank's file ends at its publisher's last write, up to a flush
+    before its death, and that write's last message can be a heartbeat older
+    still (a rank inside a long step says nothing else); a flush more of
+    margin. 1.5 s at the default 1 s heartbeat.
+    """
+    return 2 * FLUSH_MAX_S + option(run, "heartbeat_s", 1.0)
 
 
 @dataclass

@@ -16,9 +16,10 @@ from ddpscope.analysis.detectors.hang import HANG_COLD_S, HANG_OWN_WORK_S, HangD
 from ddpscope.analysis.detectors.rank_exit import RankExitDetector
 from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 from ddpscope.analysis.engine import Analysis
-from ddpscope.analysis.position import Where
+from ddpscope.analysis.position import FLUSH_MAX_S, Where
 from ddpscope.analysis.protocol import LIVE, Mode, recorded
 from ddpscope.analysis.wording import error_line, ranks_text
+from ddpscope.hooks.tickpace import TICK_MAX_S
 from ddpscope.schema import End, Message, Stacks, Step
 from tests.support.synth import (
     MS,
@@ -903,6 +904,33 @@ def test_ranks_killed_together_are_not_named_for_a_flush_apart() -> None:
     # in both (their all-reduces needed it), its publisher had not written them yet.
     analysis = finish(analyze(killed_together()))
     assert "rank_exit" not in kinds(analysis)
+
+
+def killed_together_slow_heartbeat(heartbeat_s: float, gap_s: float) -> list[Message]:
+    """The whole job killed at once, heartbeats every ``heartbeat_s``: rank 1's record
+    stops at its last heartbeat, ``gap_s`` before rank 0's last step (rank 1 finished
+    that step too, its publisher had not written it yet)."""
+    infos = run_infos(2, options={"heartbeat_s": heartbeat_s})
+    msgs = [*infos, *lockstep(2, 2, constant())]
+    t = end_of(msgs)
+    msgs.append(heartbeat(1, 2, t + 10 * MS, phase="forward"))
+    return [*msgs, step_at(0, 2, t + 10 * MS + int(gap_s * S))]
+
+
+def test_the_kill_together_window_follows_the_runs_heartbeat() -> None:
+    # At 3 s heartbeats a rank's last written message can be ~3 s old when it dies.
+    quiet = finish(analyze(killed_together_slow_heartbeat(3.0, gap_s=3.2)))
+    assert "rank_exit" not in kinds(quiet)
+    # Past a heartbeat and two flushes, the survivor outlived it.
+    (f,) = kinds(finish(analyze(killed_together_slow_heartbeat(3.0, gap_s=3.8))))["rank_exit"]
+    assert f.ranks == [1] and "most likely died first" in f.message
+    # At the default 1 s heartbeat the 3.2 s gap is no kill-together.
+    (f,) = kinds(finish(analyze(killed_together_slow_heartbeat(1.0, gap_s=3.2))))["rank_exit"]
+    assert f.ranks == [1]
+
+
+def test_the_kill_together_window_is_one_flush_of_the_publishers_tick() -> None:
+    assert FLUSH_MAX_S == TICK_MAX_S
 
 
 def test_a_rank_outlived_by_one_that_said_how_it_ended_is_named() -> None:

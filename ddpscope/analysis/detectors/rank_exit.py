@@ -30,6 +30,7 @@ from ddpscope.analysis.position import (
     EXIT_REASONS,
     WHERE_RANKS,
     epoch_of,
+    killed_together_s,
     silence_limit_s,
     view_of,
     where,
@@ -38,13 +39,6 @@ from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RankView, RunState
 from ddpscope.analysis.wording import NS, error_line, ranks_phrase
 from ddpscope.schema import Heartbeat, Message
-
-#: How far apart the records of ranks killed together can stop: a rank's file
-#: ends at its publisher's last write, up to one tick (hooks/tickpace.py, 250 ms
-#: at most) before its death, and that write's last message can be a step or a
-#: heartbeat (1 s) older still. A rank that went on longer than this after
-#: another's record stopped outlived it; one within it may have died with it.
-KILLED_TOGETHER_NS = 1_500_000_000
 
 
 @dataclass
@@ -208,7 +202,7 @@ class RankExitDetector:
         a tick, 50-250 ms: everything, if it dies that early), and the launcher then stops
         the others (SIGTERM: no end message either). The rank whose record
         stops first, while another went further and outlived it (said how it
-        ended, or went on talking past KILLED_TOGETHER_NS), most likely died
+        ended, or went on talking past ``killed_together_s``), most likely died
         first; a rank with an empty record, while others trained with it, too.
         Ranks killed together (a time limit, an OOM kill of the whole job, a
         ``kill -9`` of its process group) stop a flush apart, some a step or
@@ -221,6 +215,7 @@ class RankExitDetector:
         if any(v.end is not None and v.end.reason == "exit" for v in views.values()):
             return {}
         heard = [v for v in views.values() if v.seq_count]
+        together_ns = int(killed_together_s(run) * NS)
         suspects: list[tuple[int, RankView]] = []
         for v in heard:
             if v.end is not None or v.rank in stops:
@@ -230,7 +225,7 @@ class RankExitDetector:
                 q is not v
                 and q.step_count > count
                 and q.last_rx_ns > v.last_rx_ns
-                and (q.end is not None or q.last_rx_ns - v.last_rx_ns > KILLED_TOGETHER_NS)
+                and (q.end is not None or q.last_rx_ns - v.last_rx_ns > together_ns)
                 for q in heard
             ):
                 suspects.append((count, v))
