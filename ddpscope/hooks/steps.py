@@ -838,7 +838,7 @@ class StepTracker:
         step = self.step
         b_index = self._b_index
         if step < _MAP_STEPS or b_index or self._layout_dirty:
-            self._close_layout(step, b_index)
+            self._close_layout(step, b_index, end)
         every = self.bucket_every if self.fixed_every is None else self.fixed_every
         sampler = self.sampler
         waited, calls = loaderwait.waited_ns, loaderwait.calls
@@ -921,7 +921,7 @@ class StepTracker:
         if step >= self.notify_at:
             self.on_step_end(step)
 
-    def _close_layout(self, step: int, b_index: list[int]) -> None:
+    def _close_layout(self, step: int, b_index: list[int], end: int) -> None:
         """The bucket layout: read from DDP over the first steps, posted when it changed."""
         if not self.hooked and step < _MAP_STEPS:
             try:
@@ -932,7 +932,7 @@ class StepTracker:
         if b_index and len(b_index) != len(self._layout):
             self._forget_buckets(set(b_index))
         if self._layout_dirty:
-            self._post_layout()
+            self._post_layout(end)
 
     def flush(self) -> None:
         """Close a step left open at exit (its optimizer never ran)."""
@@ -973,12 +973,18 @@ class StepTracker:
             ordered = sorted(recent)
             self._median = ordered[len(ordered) // 2]
 
-    def _post_layout(self) -> None:
+    def _post_layout(self, end: int) -> None:
         self._layout_dirty = False
         self.layout_gen += 1
         self._layout_step = self.step
-        indices = sorted(self._layout)
-        self.pub.post(BucketLayout.KIND, self.model_index, self.layout_fields(indices))
+        fields = self.layout_fields(sorted(self._layout))
+        # Stamped with the step's end (its message's time), not when queued: the
+        # layout goes out just before that step's message, and a later time put
+        # it after the step in a recording read in time order, where the step's
+        # sequence number then showed a message missing until it came (a
+        # replay's first screen said "dropped 1").
+        fields["t"] = self.clock.host_ns(end)
+        self.pub.post(BucketLayout.KIND, self.model_index, fields)
 
     def layout_fields(self, indices: list[int] | None = None) -> dict[str, Any]:
         indices = sorted(self._layout) if indices is None else indices

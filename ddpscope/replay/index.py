@@ -48,6 +48,7 @@ from ddpscope.record.stream import reorder_window, sorted_within
 from ddpscope.replay import cache
 from ddpscope.replay.index_spill import Spill, SpilledArray
 from ddpscope.replay.index_steps import StepTimes
+from ddpscope.replay.seqgaps import SeqGaps
 from ddpscope.schema import MESSAGE_TYPES, End, Message, RunInfo, SchemaError, Step, decode
 
 #: A code per message kind, stored per record (one byte instead of a string).
@@ -101,8 +102,7 @@ class Stream:
         #: as it stood from each time on: the replay's "dropped" at a time T.
         self.gap_t: Any = SpilledArray("q", spill)
         self.gap_n: Any = SpilledArray("q", spill)
-        self._seq_low = self._seq_high = -1
-        self._seq_count = 0
+        self.gaps = SeqGaps(self.gap_t, self.gap_n)
         self._last_t = -(1 << 62)
         self._next_offset = rf.data_offset
         #: Earliest time in the file on its own clock (a step's start counts), None
@@ -135,19 +135,8 @@ class Stream:
             kind.append(pos)
         if self.first_ns is None or first < self.first_ns:
             self.first_ns = first
-        seq = msg.seq
-        if seq >= 0:  # re-sent run info carries -1
-            self._seq_count += 1
-            low = seq if self._seq_low < 0 or seq < self._seq_low else self._seq_low
-            if seq > self._seq_high:
-                self._seq_high = seq
-            self._seq_low = low
-            missing = self._seq_high - low + 1 - self._seq_count
-            if missing < 0:
-                missing = 0
-            if missing != (self.gap_n[-1] if self.gap_n else 0):
-                self.gap_t.append(self._last_t)
-                self.gap_n.append(missing)
+        if msg.seq >= 0:  # re-sent run info carries -1
+            self.gaps.add(msg.seq, self._last_t)
 
     def gaps_at(self, t: int) -> int:
         """Messages this file was missing, by sequence number, at time ``t``."""
@@ -324,6 +313,7 @@ class RecordingIndex:
         for i, (s, info) in enumerate(zip(self.streams, saved, strict=True)):
             for name in cache.STREAM_ARRAYS:
                 setattr(s, name, arrays[f"{i}.{name}"])
+            s.gaps = SeqGaps(s.gap_t, s.gap_n)
             s.by_kind = {int(code): arrays[f"{i}.kind.{code}"] for code in info["kinds"]}
             s._next_offset = info["next"]
             s.first_ns = info.get("first")
@@ -382,6 +372,9 @@ class RecordingIndex:
                     break
             if batch:
                 self.lock.release()
+            with self.lock:
+                for stream in self.streams:
+                    stream.gaps.settle()
             if not self.follow or self._stop.is_set() or self._all_ended():
                 break
             time.sleep(FOLLOW_POLL_S)

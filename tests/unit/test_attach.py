@@ -15,7 +15,9 @@ import ddpscope
 from ddpscope.config import ConfigError
 from ddpscope.hooks import attach as attach_mod
 from ddpscope.record import open_run
-from ddpscope.schema import End, Fingerprint, Step
+from ddpscope.record.reader import find_runs
+from ddpscope.replay.index import RecordingIndex
+from ddpscope.schema import BucketLayout, End, Fingerprint, Step
 
 pytestmark = pytest.mark.usefixtures("world_of_one")
 
@@ -95,6 +97,24 @@ def test_steps_are_recorded_in_process(fresh_process: Path) -> None:
     assert [m.step for m in msgs if isinstance(m, Step)] == [0, 1, 2, 3, 4]
     fps = [m.step for m in msgs if isinstance(m, Fingerprint)]
     assert fps[:3] == [0, 2, 4]
+
+
+def test_a_recording_read_in_time_order_has_no_sequence_gap(fresh_process: Path) -> None:
+    # The bucket layout goes out just before its step's message: stamped later
+    # than that step, a replay standing at the step counted it missing.
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    _train(model, 12)
+    handle.close()
+    (msgs,) = open_run(str(fresh_process / "rec")).messages.values()
+    assert any(isinstance(m, BucketLayout) for m in msgs)
+    after = {m.seq: m for m in msgs if isinstance(m, Step)}
+    layouts = [m for m in msgs if isinstance(m, BucketLayout) and m.seq >= 0]
+    assert all(m.t <= after[m.seq + 1].t for m in layouts)
+    index = RecordingIndex(find_runs(str(fresh_process / "rec"))[-1], cache=False)
+    index.run_pass()
+    (stream,) = index.streams
+    assert list(stream.gap_n) == []
 
 
 def test_evaluation_forwards_do_not_open_steps(fresh_process: Path) -> None:
