@@ -42,7 +42,8 @@ from ddpscope.record.format import SUFFIX, crc32
 MAGIC = b"DDPSIDX\0"
 #: Bump on any change to what the meta holds or how arrays are laid out.
 #: 2: each stream's earliest own-clock time ("first"), for export's timeline.
-VERSION = 2
+#: 3: the streams' gap counts settled with hindsight (replay/seqgaps.py).
+VERSION = 3
 NAME = ".ddpscope-index"
 _HEAD = struct.Struct("<8sHI")
 _U32 = struct.Struct("<I")
@@ -93,6 +94,10 @@ def places(run_path: str) -> list[str]:
     return [os.path.join(run_path, NAME), os.path.join(base, "ddpscope", "index", digest)]
 
 
+class OlderIndex(ValueError):
+    """An index an older ddpscope wrote: out of date, like one of changed files."""
+
+
 def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, Any], list[str]]:
     """(meta, arrays, notes) of a current index of ``run_path``; meta None when there
     is none to use (the notes say why, for an index that is there but cannot be).
@@ -107,8 +112,8 @@ def load(run_path: str) -> tuple[dict[str, Any] | None, dict[str, Any], list[str
         try:
             with open(path, "rb") as f:
                 meta, arrays = _read(f)
-        except FileNotFoundError:
-            continue
+        except (FileNotFoundError, OlderIndex):
+            continue  # none, or one an older ddpscope wrote: rebuilt quietly, as stale
         except OSError as exc:
             notes.append(f"{path}: index not readable ({exc.strerror or exc}); reading the files")
             continue
@@ -128,6 +133,8 @@ def _read(f: BinaryIO) -> tuple[dict[str, Any], dict[str, Any]]:
     if len(head) < _HEAD.size or not head.startswith(MAGIC):
         raise ValueError("not a ddpscope index")
     _, version, meta_len = _HEAD.unpack(head)
+    if version < VERSION:
+        raise OlderIndex(version)
     if version != VERSION:
         raise ValueError(f"index version {version}; this ddpscope writes version {VERSION}")
     if meta_len > MAX_META:

@@ -83,6 +83,21 @@ def test_a_changed_file_makes_the_index_stale(tmp_path: Path) -> None:
     assert indexed(run).cached  # rebuilt for the files as they are now
 
 
+def test_an_index_an_older_ddpscope_wrote_is_rebuilt_quietly(tmp_path: Path) -> None:
+    # What an older index holds may be counted otherwise (version 2's gaps):
+    # out of date, like one of changed files, and no problem of the recording.
+    run = recording(tmp_path)
+    indexed(run)
+    path = run / index_file.NAME
+    data = bytearray(path.read_bytes())
+    older = index_file.VERSION - 1
+    data[len(index_file.MAGIC) : len(index_file.MAGIC) + 2] = older.to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    again = indexed(run)
+    assert not again.cached and again.problems == []
+    assert again.saved_to is not None and indexed(run).cached
+
+
 def test_a_foreign_or_damaged_index_is_named_and_rebuilt(tmp_path: Path) -> None:
     run = recording(tmp_path)
     fresh = indexed(run, cache=False)
