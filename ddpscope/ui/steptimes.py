@@ -28,6 +28,9 @@ METRICS = {
     "busy": "busy ms (step - waits)",
     "step": "step time ms",
 }
+#: The same, where the long name and the scale do not both fit: the scale is kept
+#: (cut short, "busy ms (step - waits), 0.00-6" read as a scale of 0.00).
+SHORT_METRICS = {"busy": "busy ms", "step": "step ms"}
 
 
 class StepTimes(RowsView[RankRow]):
@@ -100,6 +103,8 @@ class StepTimes(RowsView[RankRow]):
         style = self.style("rows--header")
         span = f"{fmt.ms(self.low, 7).strip()}-{fmt.ms(self.high, 7).strip()}"
         title = f"{METRICS[self.metric]}, {span}"
+        if len(title) > self.spark_width():
+            title = f"{SHORT_METRICS[self.metric]}, {span}"
         return [
             cell("rank", self.RANK_W, style, right=True),
             cell(title, self.spark_width(), style),

@@ -15,6 +15,7 @@ from textual.pilot import Pilot
 
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.schema import Message, Step
+from ddpscope.ui import format as fmt
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
@@ -23,7 +24,7 @@ from ddpscope.ui.header import HeaderPanel
 from ddpscope.ui.help import HelpScreen
 from ddpscope.ui.logview import LogView
 from ddpscope.ui.ranks import RanksTable
-from ddpscope.ui.steptimes import StepTimes
+from ddpscope.ui.steptimes import METRICS, StepTimes
 from tests.support.pilot import Scenario, drive, lines, until
 from tests.support.snapsource import MonitorSource
 from tests.support.synth import SyntheticRun, clock_at
@@ -429,6 +430,24 @@ def test_a_large_terminal_shows_every_panel_at_once(rig: Rig) -> None:
         assert steps.region.y > table.region.y and buckets.region.x > steps.region.x
 
     drive(app, scenario, size=(200, 60))
+
+
+def test_a_narrow_step_time_panel_keeps_its_whole_scale_in_its_title(rig: Rig) -> None:
+    # Beside the findings on a 160-column terminal the panel is ~28 columns of
+    # sparkline: the long metric name left "busy ms (step - waits), 0.00", which
+    # read as a scale of zero.
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app))
+        steps = app.query_one(StepTimes)
+        await until(pilot, lambda: len(steps.rows) == 6 and steps.high > 1)
+        assert steps.display and steps.spark_width() < len(METRICS["busy"]) + 12
+        title = lines(steps)[0]
+        assert f"-{fmt.ms(steps.high, 7).strip()}" in title and "busy ms" in title
+
+    drive(app, scenario, size=(160, 45))
 
 
 # --- 256 ranks ---------------------------------------------------------------------------------
