@@ -52,16 +52,20 @@ class BucketView(RowsView[RankRow]):
                 self.worst = max(self.worst, 0.0)
         self.set_rows(rows, key)
 
+    def _room(self) -> int:
+        """Columns for the heat map beside the rank and max columns."""
+        return self.view_width - self.RANK_W - self.MAX_W - 3
+
     def cell_width(self) -> int:
         n = len(self.matrix.buckets) if self.matrix else 1
-        room = self.view_width - self.RANK_W - self.MAX_W - 3
-        return 2 if n * 2 <= room else 1
+        return 2 if n * 2 <= self._room() else 1
 
     def region_width(self) -> int:
-        """Cells of the heat map, at least enough for the header's title."""
+        """Cells of the heat map, widened for the header's title where there is room
+        (never past it: the max column then fell off a panel beside the findings)."""
         if self.matrix is None:
             return max(len(self._missing()), 40)
-        return max(len(self.matrix.buckets) * self.cell_width(), 40)
+        return max(len(self.matrix.buckets) * self.cell_width(), min(40, self._room()))
 
     def _missing(self) -> str:
         """Why there is no matrix: no step yet, or steps without bucket timings."""

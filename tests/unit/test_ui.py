@@ -450,6 +450,25 @@ def test_a_narrow_step_time_panel_keeps_its_whole_scale_in_its_title(rig: Rig) -
     drive(app, scenario, size=(160, 45))
 
 
+def test_a_narrow_bucket_panel_keeps_its_max_column(rig: Rig) -> None:
+    # Beside the findings on a 160-column terminal: the heat map was widened to 40
+    # columns for its title whatever the room, and the max column fell off ("60").
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app))
+        buckets = app.query_one(BucketView)
+        await until(pilot, lambda: buckets.matrix is not None and len(buckets.rows) == 6)
+        assert buckets.display and buckets.content_width() <= buckets.view_width
+        head, *rows = lines(buckets)[:7]
+        assert head.split()[-2:] == ["max", "ms"]
+        shown = {int(line.split()[0]): line.split()[-1] for line in rows}
+        assert shown[SLOW] == "0.00" and all(shown[r] == "60.0" for r in shown if r != SLOW)
+
+    drive(app, scenario, size=(160, 45))
+
+
 # --- 256 ranks ---------------------------------------------------------------------------------
 
 
