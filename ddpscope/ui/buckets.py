@@ -82,7 +82,16 @@ class BucketView(RowsView[RankRow]):
         width = self.region_width()
         steps = self.matrix.steps
         span = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
-        title = f"wait/bucket →, steps {span}, █ {fmt.ms(self.worst, 6).strip()}ms"
+        scale = f"█ {fmt.ms(self.worst, 6).strip()}ms"
+        # Shorter forms where the panel is narrow: the scale is what must not be cut.
+        for title in (
+            f"wait/bucket →, steps {span}, {scale}",
+            f"wait, steps {span}, {scale}",
+            f"steps {span}, {scale}",
+            scale,
+        ):
+            if len(title) <= width:
+                break
         return [
             cell("rank", self.RANK_W, style, True),
             cell(title, width, style),
