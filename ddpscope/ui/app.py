@@ -23,6 +23,7 @@ from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Container, Horizontal, Vertical
+from textual.geometry import Size
 from textual.reactive import Reactive
 from textual.screen import Screen
 from textual.widget import Widget
@@ -389,10 +390,12 @@ class WatchApp(App[None]):
     # --- layout ----------------------------------------------------------------------
 
     def on_resize(self, event: events.Resize) -> None:
-        self._layout()
+        # The event's size: the app's own is updated only after this handler,
+        # and a layout from it kept the old one until the next key.
+        self._layout(event.size)
 
-    def _layout(self) -> None:
-        width, height = self.size
+    def _layout(self, size: Size | None = None) -> None:
+        width, height = self.size if size is None else size
         wide = width >= WIDE
         dash = wide and height >= TALL
         view = self.view

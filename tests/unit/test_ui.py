@@ -470,6 +470,23 @@ def test_a_narrow_bucket_panel_keeps_its_max_column(rig: Rig) -> None:
     drive(app, scenario, size=(160, 45))
 
 
+def test_the_layout_follows_a_resized_terminal_at_once(rig: Rig) -> None:
+    # A resize laid the screen out for the size before it, until the next key.
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app))
+        steps, panel = app.query_one(StepTimes), app.query_one(FindingsPanel)
+        assert steps.display and not panel.compact
+        await pilot.resize_terminal(80, 24)
+        assert not steps.display and panel.compact
+        await pilot.resize_terminal(160, 45)
+        assert steps.display and not panel.compact
+
+    drive(app, scenario, size=(160, 45))
+
+
 # --- 256 ranks ---------------------------------------------------------------------------------
 
 
