@@ -4,6 +4,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+#: A rank's status badge where the finding's kind is wider than the status
+#: column (10): cut, "missing_se", "checkpoint" and "rank0_only" said less.
+BADGES = {
+    "cpu_contention": "contention",
+    "hyperparam_mismatch": "hparams",
+    "missing_set_epoch": "set_epoch",
+    "unsharded_data": "unsharded",
+    "shard_overlap": "overlap",
+    "uneven_inputs": "uneven",
+    "global_batch": "batch",
+    "checkpoint_all_ranks": "checkpoint",
+    "rank0_only_collective": "rank0 coll",
+    "dataparallel": "nn.DP",
+    "batchnorm_small_batch": "batchnorm",
+    "no_destroy_process_group": "no destroy",
+    "device_mismatch": "device",
+    "accumulate_without_no_sync": "accumulate",
+}
+#: The status column's width, in the ranks and the hosts views.
+BADGE_W = 10
+
+
+def badge(status: str) -> str:
+    """A rank's status as its column shows it: a finding's kind, or its short badge."""
+    return BADGES.get(status, status)
+
 
 def ms(value: float, width: int = 6) -> str:
     """Milliseconds in at most ``width`` characters; '-' for unknown (negative)."""

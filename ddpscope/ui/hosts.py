@@ -37,7 +37,7 @@ HOST_W = 18
 #: (label, width) after the host column, the same for host and rank lines.
 COLUMNS: tuple[tuple[str, int], ...] = (
     ("ranks", 5),
-    ("status", 10),
+    ("status", fmt.BADGE_W),
     ("problems / phase", 20),
     ("step", 7),
     ("step ms", 7),
@@ -54,7 +54,7 @@ def _problems(group: HostGroup, rows: dict[int, RankRow]) -> str:
     """'1365 straggler, 1366 silent +2': the host's problem ranks, worst first."""
     bad = [rows[r] for r in group.ranks if r in rows and rows[r].level > 0]
     bad.sort(key=lambda r: (-r.level, r.rank))
-    shown = ", ".join(f"{r.rank} {r.status}" for r in bad[:3])
+    shown = ", ".join(f"{r.rank} {fmt.badge(r.status)}" for r in bad[:3])
     return shown + (f" +{len(bad) - 3}" if len(bad) > 3 else "")
 
 
@@ -190,7 +190,7 @@ class HostsView(RowsView[Item]):
             head = f"{'▾' if row.expanded else '▸'} {g.host}"
             texts = [
                 str(len(g.ranks)),
-                g.status,
+                fmt.badge(g.status),
                 _problems(g, self._rows),
                 _steps(g.step_min, g.step_max),
                 fmt.ms(g.step_ms, 7),
@@ -205,7 +205,7 @@ class HostsView(RowsView[Item]):
         else:
             texts = [
                 "",
-                row.status,
+                fmt.badge(row.status),
                 row.activity or row.phase,
                 str(row.step),
                 fmt.ms(row.step_ms, 7),

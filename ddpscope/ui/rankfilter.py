@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddpscope.analysis.snapshot import RankRow
+from ddpscope.ui.format import badge
 
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 
@@ -43,7 +44,7 @@ class RankFilter:
         if self.words:
             host = row.host.lower()
             for word in self.words:
-                if word in host or word == row.status:
+                if word in host or word in (row.status, badge(row.status).lower()):
                     return True
         return False
 

@@ -50,7 +50,15 @@ def _ms(name: str, width: int = 5) -> Callable[[RankRow], str]:
 
 COLUMNS: tuple[Column, ...] = (
     Column("rank", "rank", 5, lambda r: str(r.rank), ("rank",), descending=False),
-    Column("status", "status", 10, lambda r: r.status, (), right=False, descending=False),
+    Column(
+        "status",
+        "status",
+        fmt.BADGE_W,
+        lambda r: fmt.badge(r.status),
+        (),
+        right=False,
+        descending=False,
+    ),
     Column("step", "step", 7, lambda r: str(r.step), ("step",), descending=False),
     Column("epoch", "ep", 3, lambda r: "-" if r.epoch < 0 else str(r.epoch), ("epoch",)),
     Column("step_ms", "step ms", 7, _ms("step_ms", 7), ("step_ms",)),

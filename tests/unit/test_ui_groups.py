@@ -16,14 +16,17 @@ from collections.abc import Awaitable, Callable
 import pytest
 from textual.pilot import Pilot
 
+from ddpscope.analysis.build import default_detectors
 from ddpscope.analysis.detectors.hang import HangDetector
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.hosts import group_rows
 from ddpscope.analysis.snapshot import ERROR, OK, WARNING, RankRow
+from ddpscope.ui import format as fmt
 from ddpscope.ui.app import WatchApp, build_app
 from ddpscope.ui.help import HelpScreen
-from ddpscope.ui.hosts import HostLine
+from ddpscope.ui.hosts import HostLine, _problems
 from ddpscope.ui.rankfilter import parse
+from ddpscope.ui.ranks import COLUMNS as RANK_COLUMNS
 from tests.support.cluster import Prebuilt, cluster_run, host_of, source
 
 WORLD = 4096
@@ -104,6 +107,28 @@ def test_a_filter_keeps_ranks_ranges_host_names_and_badges() -> None:
     assert kept("B7 2") == [2, 64]  # any term
     assert kept("node999") == []
     assert kept("  ") == list(range(65)) and parse("").empty
+
+
+def test_every_status_fits_its_column_as_a_badge_of_its_own() -> None:
+    # Cut to the column, "missing_set_epoch" showed as "missing_se" and
+    # "checkpoint_all_ranks" as "checkpoint"; each kind gets a badge that fits.
+    kinds = {k for det in default_detectors() for k in det.kinds}
+    statuses = kinds | {"ok", "exited", "silent", "disabled", "no data"}
+    badges = {s: fmt.badge(s) for s in statuses}
+    assert all(len(b) <= fmt.BADGE_W for b in badges.values()), badges
+    assert len(set(badges.values())) == len(badges)  # no two read alike
+    assert set(fmt.BADGES) <= kinds  # no badge for a kind that is gone
+
+
+def test_a_rank_is_found_by_its_badge_or_by_its_findings_kind() -> None:
+    rows = [row(0, "a"), row(1, "a", "missing_set_epoch", WARNING), row(2, "b", "dataparallel")]
+    kept = lambda text: [r.rank for r in parse(text).apply(rows)]  # noqa: E731
+    assert kept("set_epoch") == kept("missing_set_epoch") == [1]
+    assert kept("nn.DP") == kept("dataparallel") == [2]
+    ranks_status = next(c for c in RANK_COLUMNS if c.key == "status")
+    assert ranks_status.text(rows[1]) == "set_epoch"
+    host = group_rows(rows)[0]
+    assert "1 set_epoch" in _problems(host, {r.rank: r for r in rows})
 
 
 def test_hosts_group_their_ranks_worst_first_with_the_worst_figures() -> None:
