@@ -51,7 +51,14 @@ class EvidenceText:
 EvidenceBlock = EvidenceTable | EvidenceText
 
 
-def value_text(value: Any) -> str:
+#: ``KEY_count`` beside a list ``KEY`` holds how many the list stood for where the
+#: detector kept only the first few (16 of a 4,096-rank job's waiting ranks): the
+#: list is shown with the true number left out, and the count is not shown apart.
+COUNT_SUFFIX = "_count"
+
+
+def value_text(value: Any, total: int | None = None) -> str:
+    """``total``: how many items a list stands for, where it holds only the first."""
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):
@@ -60,14 +67,15 @@ def value_text(value: Any) -> str:
         return "-"
     if isinstance(value, list) and all(_scalar(v) for v in value):
         shown = ", ".join(value_text(v) for v in value[:MAX_ROWS])
-        return shown + (f" (+{len(value) - MAX_ROWS})" if len(value) > MAX_ROWS else "")
+        left = max(len(value), total or 0) - min(len(value), MAX_ROWS)
+        return shown + (f" (+{left})" if left > 0 else "")
     if isinstance(value, (list, dict)):
         text = json.dumps(value, separators=(",", ":"), default=str)
         return text if len(text) <= 120 else text[:117] + "..."
     return str(value)
 
 
-def _fact_text(name: str, value: Any) -> str:
+def _fact_text(name: str, value: Any, total: int | None = None) -> str:
     # Byte counts read better as sizes (536870912 is 512 MiB); JSON keeps the integer.
     if name.endswith("bytes") and isinstance(value, int) and not isinstance(value, bool):
         size, unit = float(value), "B"
@@ -76,7 +84,7 @@ def _fact_text(name: str, value: Any) -> str:
                 break
             size /= 1024
         return f"{size:.0f} {unit}" if unit == "B" or size >= 10 else f"{size:.1f} {unit}"
-    return value_text(value)
+    return value_text(value, total)
 
 
 def paired(table: EvidenceTable, longest: int = 16) -> EvidenceTable:
@@ -149,7 +157,12 @@ def _walk(
         if _lines(value):
             blocks.append(EvidenceText(name, tuple(value[-MAX_LINES:])))
         elif _scalar(value) or (isinstance(value, list) and all(_scalar(v) for v in value)):
-            facts.append((name, _fact_text(name, value)))
+            base = key[: -len(COUNT_SUFFIX)] if key.endswith(COUNT_SUFFIX) else None
+            if base is not None and isinstance(evidence.get(base), list):
+                continue  # shown with its list
+            total = evidence.get(f"{key}{COUNT_SUFFIX}")
+            total = total if isinstance(total, int) and isinstance(value, list) else None
+            facts.append((name, _fact_text(name, value, total)))
         elif isinstance(value, str):
             lines = value.rstrip().splitlines()
             title = f"{name} (last {MAX_LINES} lines)" if len(lines) > MAX_LINES else name

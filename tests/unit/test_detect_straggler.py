@@ -104,6 +104,14 @@ def test_a_stall_does_not_stand_in_for_a_second_of_short_steps() -> None:
     assert [f.ranks for f in findings(analyse(2, 400, timing))] == [[1]]
 
 
+def test_the_evidence_counts_every_rank_waiting_for_a_straggler_it_does_not_list() -> None:
+    world, slow = 40, 39
+    timing = straggler(noisy(11), slow, start=ONSET, extra_ns=half_more("backward"))
+    (f,) = findings(analyse(world, 80, timing))
+    assert f.ranks == [slow] and f.evidence["waiting_ranks_count"] == world - 1
+    assert f.evidence["waiting_ranks"] == list(range(16))
+
+
 # --- a straggler is named, with the right phase ------------------------------------------
 
 

@@ -45,3 +45,13 @@ def test_beyond_eight_ranks_the_table_says_how_many_more() -> None:
     assert table.columns[-1] == "7" and table.more == "12 more ranks"
     text = table_text(table)
     assert text[0].split() == ["rank", *map(str, range(8))] and text[-1] == "(12 more ranks)"
+
+
+def test_a_rank_list_kept_short_says_how_many_it_stands_for() -> None:
+    # A straggler in a 256-rank job: 16 of its 255 waiting ranks are kept; shown
+    # as they were, "0, 1, ..., 11 (+4)" read as 16 waiting ranks.
+    (facts,) = layout({"waiting_ranks": list(range(16)), "waiting_ranks_count": 255})
+    assert isinstance(facts, EvidenceTable)
+    assert facts.rows == (("waiting_ranks", ", ".join(map(str, range(12))) + " (+243)"),)
+    (alone,) = layout({"ranks_count": 3})
+    assert alone.rows == (("ranks_count", "3"),)  # no list beside it: a fact of its own

@@ -83,6 +83,7 @@ def evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
         "step_ms": _ms(step_med),
         "others_wait_ms": _ms(sum(split.values())),
         "waiting_ranks": sorted(q for q in run.ranks if q != r)[:16],
+        "waiting_ranks_count": len(run.ranks) - 1,
     }
     if split["ddp_sync"] > 0 or split["collectives"] > 0:
         # Only where the others wait outside the all-reduce too: a run (or a recording

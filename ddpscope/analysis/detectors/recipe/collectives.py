@@ -326,6 +326,7 @@ class CollectiveMismatchDetector:
                 "op": op,
                 "group": group or "default",
                 "ranks": named[:MAX_LISTED],
+                "ranks_count": len(named),
                 "counts": {str(r): calls[r] for r in sorted(calls)[:MAX_LISTED]},
                 "sites": {str(r): s[:MAX_LISTED] for r, s in sites.items()},
                 "step": step,
@@ -471,6 +472,7 @@ class CollectiveMismatchDetector:
                     "op": blocked[first][0],
                     "group": "default",
                     "ranks": named[:MAX_LISTED],
+                    "ranks_count": len(named),
                     "sites": {str(r): [blocked[r][1]] for r in named[:MAX_LISTED]},
                     "blocked": {
                         str(r): {"op": b[0], "at": b[1], "for_s": round(b[2], 1)}
