@@ -48,6 +48,11 @@ COLUMNS: tuple[tuple[str, int], ...] = (
     ("rss", 6),
     ("hb", 5),
 )
+#: The problems column gives up room first (down to this) so the figures after it
+#: stay on a narrow panel: beside the findings on a 160-column terminal the
+#: table had 102 columns of its 112, and rss and hb fell off.
+PROBLEMS = "problems / phase"
+PROBLEMS_MIN = 10
 
 
 def _problems(group: HostGroup, rows: dict[int, RankRow]) -> str:
@@ -170,15 +175,24 @@ class HostsView(RowsView[Item]):
 
     # --- drawing -----------------------------------------------------------------------
 
+    def columns(self) -> tuple[tuple[str, int], ...]:
+        """COLUMNS, the problems column narrowed to what the view leaves it."""
+        full = HOST_W + 1 + sum(w + 1 for _, w in COLUMNS)
+        short = min(0, self.view_width - full)
+        return tuple(
+            (label, max(PROBLEMS_MIN, width + short) if label == PROBLEMS else width)
+            for label, width in COLUMNS
+        )
+
     def content_width(self) -> int:
-        return HOST_W + 1 + sum(w + 1 for _, w in COLUMNS)
+        return HOST_W + 1 + sum(w + 1 for _, w in self.columns())
 
     def header_segments(self) -> list[Segment]:
         style = self.style("rows--header")
         n = len(self.groups)
         out = [cell(f"host ({n})", HOST_W, style)]
-        for label, width in COLUMNS:
-            right = label not in ("status", "problems / phase")
+        for label, width in self.columns():
+            right = label not in ("status", PROBLEMS)
             out.append(cell(label, width, style, right))
         return out
 
@@ -218,7 +232,7 @@ class HostsView(RowsView[Item]):
             ]
             first = cell(f"   rank {row.rank}", HOST_W, normal)
         out = [first]
-        for (label, width), text in zip(COLUMNS, texts, strict=True):
+        for (label, width), text in zip(self.columns(), texts, strict=True):
             style = badge if label == "status" else normal
-            out.append(cell(text, width, style, label not in ("status", "problems / phase")))
+            out.append(cell(text, width, style, label not in ("status", PROBLEMS)))
         return out

@@ -22,6 +22,7 @@ from ddpscope.ui.detail import RankDetailScreen
 from ddpscope.ui.findings import CardLines, FindingsPanel, evidence_block
 from ddpscope.ui.header import HeaderPanel
 from ddpscope.ui.help import HelpScreen
+from ddpscope.ui.hosts import HostsView
 from ddpscope.ui.logview import LogView
 from ddpscope.ui.ranks import RanksTable
 from ddpscope.ui.steptimes import METRICS, StepTimes
@@ -483,6 +484,24 @@ def test_the_layout_follows_a_resized_terminal_at_once(rig: Rig) -> None:
         assert not steps.display and panel.compact
         await pilot.resize_terminal(160, 45)
         assert steps.display and not panel.compact
+
+    drive(app, scenario, size=(160, 45))
+
+
+def test_a_narrow_hosts_panel_keeps_its_last_columns(rig: Rig) -> None:
+    # Beside the findings on a 160-column terminal the hosts table had 102 of its
+    # 112 columns: rss and hb fell off. The problems column gives up room first.
+    app = app_for(rig)
+
+    async def scenario(pilot: Pilot[None]) -> None:
+        rig.send(rig.run.opening() + rig.run.steps(0, 60))
+        await until(pilot, lambda: _has_finding(app))
+        await pilot.press("7")
+        hosts = app.query_one(HostsView)
+        await until(pilot, lambda: bool(hosts.rows))
+        assert hosts.display and hosts.content_width() <= hosts.view_width
+        head, line = lines(hosts)[:2]
+        assert head.split()[-2:] == ["rss", "hb"] and line.split()[-1].endswith("s")
 
     drive(app, scenario, size=(160, 45))
 
