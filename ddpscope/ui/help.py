@@ -79,11 +79,19 @@ COLUMNS = (
 
 BADGES = (
     "Status badges: ok, exited; a finding's kind (straggler, hang, ...) when a finding singles "
-    "the rank out; silent (nothing for 5 s), no data (never heard from), disabled (ddpscope "
-    "turned itself off on that rank). Problem ranks sort first. The red strip under the views' "
-    "names lists them by kind with their hosts, whatever the table shows; a run with none has no "
-    "strip."
+    "the rank out, shortened where it is wider than the column (set_epoch: missing_set_epoch, "
+    "rank0 coll: rank0_only_collective, no destroy: no_destroy_process_group, ...); silent "
+    "(nothing for 5 s), no data (never heard from), disabled (ddpscope turned itself off on "
+    "that rank). Problem ranks sort first. The red strip under the views' names lists them by "
+    "kind with their hosts, whatever the table shows; a run with none has no strip."
 )
+
+
+def keys_beside(extra: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """The common keys shown under a mode's own: a key the mode gives its own meaning
+    (replay's space: play / pause) is not listed again with the live one."""
+    taken = {key for key, _ in extra}
+    return tuple((key, text) for key, text in KEYS if key not in taken)
 
 
 def _table(rows: tuple[tuple[str, str], ...], title: str) -> Table:
@@ -124,10 +132,11 @@ class HelpScreen(ModalScreen[None]):
             first: list[Table | Text] = (
                 [_table(self.extra, self.extra_title), Text("")] if self.extra else []
             )
+            common = keys_beside(self.extra)
             yield Static(
                 Group(
                     *first,
-                    _table(KEYS, "Keys"),
+                    _table(common, "Keys"),
                     Text(DETAIL_KEYS, style="dim"),
                     Text(""),
                     _table(COLUMNS, "The ranks table (6: the same split as bars)"),

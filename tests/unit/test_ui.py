@@ -21,10 +21,11 @@ from ddpscope.ui.buckets import BucketView
 from ddpscope.ui.detail import RankDetailScreen
 from ddpscope.ui.findings import CardLines, FindingsPanel, evidence_block
 from ddpscope.ui.header import HeaderPanel
-from ddpscope.ui.help import HelpScreen
+from ddpscope.ui.help import KEYS, HelpScreen, keys_beside
 from ddpscope.ui.hosts import HostsView
 from ddpscope.ui.logview import LogView
 from ddpscope.ui.ranks import RanksTable
+from ddpscope.ui.replay import REPLAY_KEYS
 from ddpscope.ui.steptimes import METRICS, StepTimes
 from tests.support.pilot import Scenario, drive, lines, until
 from tests.support.snapsource import MonitorSource
@@ -387,6 +388,13 @@ def test_space_pauses_the_display_and_space_resumes_it(rig: Rig) -> None:
         assert "LIVE" in header.plain
 
     drive(app, scenario)
+
+
+def test_replays_help_gives_space_one_meaning() -> None:
+    # It listed "space play / pause" and, under it, "space pause / resume the display".
+    common = dict(keys_beside(REPLAY_KEYS))
+    assert "space" not in common and "q" in common and "?  esc" in common
+    assert dict(keys_beside(())) == dict(KEYS)
 
 
 def test_question_mark_opens_help_and_escape_closes_it(rig: Rig) -> None:
