@@ -512,6 +512,14 @@ def digest_tensors(
 #: poller must not grow the queue without bound); requests and direct start()
 #: calls are never skipped.
 MAX_IN_FLIGHT = 8
+#: A check's cost is the least of the last few: a check the scheduler preempted
+#: (or a GC pause inside it) only reads longer, and one such reading set the
+#: interval alone (a 3-rank CPU job: one rank's first check read 6x the others',
+#: so it checked at step 0 and 96 only, and a desync at step 5 waited for the end).
+COST_SAMPLES = 3
+#: The first check also builds the hash's weight tables: until a second one is
+#: measured, checks come at least this often (a power of two: ranks stay aligned).
+FIRST_INTERVAL_MAX = 16
 
 
 class Fingerprinter:
@@ -555,6 +563,8 @@ class Fingerprinter:
         #: Host ns the last start() took, and device ns of the last polled check.
         self.host_ns = 0
         self.device_ns = 0
+        self._host_costs: deque[int] = deque(maxlen=COST_SAMPLES)
+        self._device_costs: deque[int] = deque(maxlen=COST_SAMPLES)
         self.started = 0
         # request() runs on another thread: a counter pair needs no lock and a
         # request arriving mid-due() is never lost. Unequal: a request is waiting.
@@ -585,7 +595,8 @@ class Fingerprinter:
         if cost <= 0 or median_step_ns <= 0:
             return None
         n = max(1, math.ceil(cost / (self.budget * median_step_ns)))
-        return 1 << (n - 1).bit_length()
+        n = 1 << (n - 1).bit_length()
+        return min(n, FIRST_INTERVAL_MAX) if self.started == 1 else n
 
     def next_reason(self, step: int, median_step_ns: int) -> str | None:
         """Why to fingerprint after ``step`` ('initial', 'interval', 'request') or None."""
@@ -628,7 +639,8 @@ class Fingerprinter:
         t0 = self.clock()
         pending = digest_tensors(tensors, chunk=self.chunk, transfer=self.transfer)
         cost = self.clock() - t0
-        self.host_ns = cost
+        self._host_costs.append(cost)
+        self.host_ns = min(self._host_costs)
         self.started += 1
         self._in_flight.append((step, reason, len(self.params), cost, pending))
 
@@ -659,7 +671,8 @@ class Fingerprinter:
         values = pending.values()
         device_ns = pending.device_ns()
         if device_ns is not None:
-            self.device_ns = device_ns
+            self._device_costs.append(device_ns)
+            self.device_ns = min(self._device_costs)
         return {
             "step": step,
             "reason": reason,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -452,6 +453,36 @@ def test_a_shorter_interval_takes_effect_within_eight_steps() -> None:
     assert [s for s, _ in later] == [24, 28, 32, 36]
     fp.request()
     assert fp.due(41, 100_000_000) and fp.pending_reason == "request"
+
+
+def costs_clock(costs_ns: list[int]) -> Any:
+    """A clock under which the k-th start() costs ``costs_ns[k]`` (the last one after)."""
+    stamps = []
+    t = 0
+    for c in costs_ns:
+        stamps += [t, t + c]
+        t += c
+    ticks = itertools.chain(stamps, itertools.count(t, costs_ns[-1]))
+    return lambda: next(ticks)
+
+
+def test_a_slow_first_check_does_not_set_the_interval_alone() -> None:
+    # The first check builds the hash's tables: 40 ms once, 2 ms after. At 25 ms
+    # steps 40 ms alone meant one check in 512; a second comes by step 16.
+    fp = Fingerprinter([torch.ones(2)], [], clock=costs_clock([40_000_000, 2_000_000]))
+    assert due_steps(fp, range(0, 40), median_ns=25_000_000) == [
+        (0, "initial"),
+        (16, "interval"),
+        (32, "interval"),
+    ]
+
+
+def test_one_check_that_reads_long_does_not_push_the_next_ones_out() -> None:
+    # Preempted once (30 ms instead of 2): the interval stays that of 2 ms.
+    costs = [2_000_000, 2_000_000, 30_000_000, 2_000_000]
+    fp = Fingerprinter([torch.ones(2)], [], clock=costs_clock(costs))
+    steps = [s for s, _ in due_steps(fp, range(0, 70), median_ns=25_000_000)]
+    assert steps == [0, 16, 32, 48, 64]
 
 
 def test_device_time_counts_when_longer_than_host_time() -> None:
