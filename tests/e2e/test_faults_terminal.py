@@ -42,8 +42,8 @@ from tests.support.terminal import Terminal
 from tests.support.torchrun import job_env, teardown_abort_only
 
 SIZE = (160, 50)
-#: A command told to stop ends within this (torchrun waits for its workers first).
-HELP_TEXT = "pause / resume the display"
+#: A line of the help screen, live and in replay (replay gives space its own line).
+HELP_TEXT = "this help / close it"
 
 
 def _env(**extra: str) -> dict[str, str]:
