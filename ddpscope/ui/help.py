@@ -77,7 +77,7 @@ COLUMNS = (
     ("phase", "what the rank does now; a collective by name ('broadcast (DDP) 12s')"),
 )  # fmt: skip
 
-BADGES = (
+BADGES_HELP = (
     "Status badges: ok, exited; a finding's kind (straggler, hang, ...) when a finding singles "
     "the rank out, shortened where it is wider than the column (set_epoch: missing_set_epoch, "
     "rank0 coll: rank0_only_collective, no destroy: no_destroy_process_group, ...); silent "
@@ -143,6 +143,6 @@ class HelpScreen(ModalScreen[None]):
                     Text(""),
                     _table(HEALTH, "The header's monitor line"),
                     Text(""),
-                    Text(BADGES),
+                    Text(BADGES_HELP),
                 )
             )

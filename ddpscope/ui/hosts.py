@@ -34,11 +34,16 @@ class HostLine:
 Item = HostLine | RankRow
 
 HOST_W = 18
+#: The problems column gives up room first (down to PROBLEMS_MIN) so the figures
+#: after it stay on a narrow panel: beside the findings on a 160-column terminal
+#: the table had 102 columns of its 112, and rss and hb fell off.
+PROBLEMS = "problems / phase"
+PROBLEMS_MIN = 10
 #: (label, width) after the host column, the same for host and rank lines.
 COLUMNS: tuple[tuple[str, int], ...] = (
     ("ranks", 5),
     ("status", fmt.BADGE_W),
-    ("problems / phase", 20),
+    (PROBLEMS, 20),
     ("step", 7),
     ("step ms", 7),
     ("busy", 6),
@@ -48,11 +53,6 @@ COLUMNS: tuple[tuple[str, int], ...] = (
     ("rss", 6),
     ("hb", 5),
 )
-#: The problems column gives up room first (down to this) so the figures after it
-#: stay on a narrow panel: beside the findings on a 160-column terminal the
-#: table had 102 columns of its 112, and rss and hb fell off.
-PROBLEMS = "problems / phase"
-PROBLEMS_MIN = 10
 
 
 def _problems(group: HostGroup, rows: dict[int, RankRow]) -> str:
