@@ -14,10 +14,10 @@ from ddpscope import _exit
 from ddpscope._version import __version__
 
 if TYPE_CHECKING:
-    from ddpscope.hooks.attach import Handle, InertHandle
+    from ddpscope.hooks.attach import Handle, InertHandle, PendingHandle
 
 
-def attach(model: Any, **options: Any) -> Handle | InertHandle:
+def attach(model: Any, **options: Any) -> Handle | InertHandle | PendingHandle:
     """Stream this rank's telemetry for ``model`` (a DistributedDataParallel).
 
     Options (keyword arguments) override DDPSCOPE_* environment variables;

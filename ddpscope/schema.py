@@ -124,6 +124,11 @@ class Message:
     t: int = 0
 
 
+#: ``RunInfo.ddp["api"]`` of a module under ``torch.distributed._composable.replicate``
+#: (absent for a ``DistributedDataParallel`` model).
+DDP_API_REPLICATE = "replicate"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunInfo(Message):
     KIND: ClassVar[str] = "run_info"
@@ -136,7 +141,8 @@ class RunInfo(Message):
     backend: str
     device: str
     versions: dict[str, str]
-    #: DDP constructor settings: bucket_cap_bytes, find_unused_parameters, ...
+    #: DDP constructor settings: bucket_cap_bytes, find_unused_parameters, ...;
+    #: "api": DDP_API_REPLICATE for a module under torch's composable replicate().
     ddp: dict[str, Any]
     #: [name, shape, dtype, requires_grad] for each parameter, in module order.
     params: list[list[Any]]

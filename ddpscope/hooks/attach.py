@@ -1,8 +1,10 @@
 """``ddpscope.attach(model)``: wire every probe to one DDP model.
 
-One :class:`_Process` per rank process holds what is shared by all attached
-models (publisher thread, sampler probe, global optimizer hooks); one
-:class:`Handle` per DDP model holds its step tracker and fingerprinter.
+One :class:`~ddpscope.hooks.process.RankProcess` per rank process holds what
+is shared by all attached models (publisher thread, process-wide probes, the
+rank's end); one :class:`Handle` per DDP model holds its step tracker and
+fingerprinter. A module under ``replicate()`` is attached at its first
+forward, when its DDP exists (:class:`~ddpscope.hooks.standins.PendingHandle`).
 
 Nothing here may raise into the training loop once attach has returned:
 every hook runs behind a guard that disables ddpscope on the rank with one
@@ -11,24 +13,18 @@ warning if ddpscope itself fails.
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
-import signal
-import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
-from ddpscope import _exit, config
+from ddpscope import config
 from ddpscope.config import ConfigError, Options
 from ddpscope.hooks import backward as backward_calls
 from ddpscope.hooks import (
@@ -36,29 +32,23 @@ from ddpscope.hooks import (
     collectives,
     comm,
     compiled,
-    crashstacks,
     forward,
-    loaderwait,
     recipe,
     runinfo,
+    target,
 )
 from ddpscope.hooks.clocks import clock_for
 from ddpscope.hooks.fingerprint import Fingerprinter, hparams, hparams_key
-from ddpscope.hooks.host import HostProbe
 from ddpscope.hooks.modelcheck import check_model, compiled_ddp, fabric_ddp
 
 # _inert stays importable from here: models pickled before the move name it so.
 from ddpscope.hooks.modulehook import _inert  # noqa: F401
-from ddpscope.hooks.publisher import Publisher
-from ddpscope.hooks.samplers import SamplerProbe
-from ddpscope.hooks.signalwake import SignalWake, die_by
+from ddpscope.hooks.process import RankProcess
+from ddpscope.hooks.standins import InertHandle, PendingHandle
 from ddpscope.hooks.steps import StepTracker
-from ddpscope.schema import SCHEMA_VERSION, BucketLayout, Fingerprint, HParams, RunInfo
+from ddpscope.schema import BucketLayout, Fingerprint, HParams, RunInfo
 
 log = logging.getLogger("ddpscope")
-#: Signals that end a rank with an end message (reason "signal") on the way out.
-_END_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
-
 _LOCK = threading.Lock()
 #: Steps between hyperparameter checks once the first values are sent. Every
 #: rank checks at the same steps, which is all the comparison needs; a
@@ -68,195 +58,18 @@ HPARAMS_EVERY = 8
 # Handle._notify_after skips the steps in between: nothing else may fall there.
 assert recipe.SNAPSHOT_EVERY % HPARAMS_EVERY == 0
 assert HPARAMS_EVERY & (HPARAMS_EVERY - 1) == 0 and HPARAMS_EVERY >= bucket_cost.DECIDE_AT_STEP
-_HANDLES: weakref.WeakKeyDictionary[Any, Handle] = weakref.WeakKeyDictionary()
-_PROCESS: _Process | None = None
-
-
-def _device_memory_for(device: str) -> Callable[[], tuple[int, int]]:
-    if not device.startswith("cuda"):
-        return lambda: (-1, -1)
-    dev = torch.device(device)
-
-    def read() -> tuple[int, int]:
-        return (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
-
-    return read
-
-
-class _Process:
-    """Per-process state shared by every attached model."""
-
-    def __init__(self, opts: Options, model: Any) -> None:
-        self.opts = opts
-        self.run_id = runinfo.resolve_run_id(opts)
-        topo = runinfo.topology()
-        self.rank = topo["rank"]
-        self.started_wall_ns = time.time_ns()
-        anchor = runinfo.clock_anchor()
-        header = {
-            "run_id": self.run_id,
-            "rank": self.rank,
-            "world_size": topo["world_size"],
-            "host": runinfo.socket.gethostname(),
-            "pid": runinfo.os.getpid(),
-            "schema_version": SCHEMA_VERSION,
-            "versions": runinfo.versions(),
-            **anchor,
-        }
-        host = HostProbe(_device_memory_for(runinfo.device_of(model)))
-        self.publisher = Publisher(opts, self.run_id, self.rank, header, host)
-        self.handles: list[Handle] = []
-        self._finished = False
-        self._finishing = False
-        self._sigterm_pending = 0
-        # Who ends the rank: the main thread (finish) or, for a stop signal its
-        # handler could not run for, the publisher thread (end_from_publisher).
-        self._end_lock = threading.RLock()
-        self._wake: SignalWake | None = None
-        self.sampler_probe = SamplerProbe(
-            post=lambda kind, fields: self.publisher.post(kind, 0, fields),
-            current_step=lambda: self.publisher.state.step,
-            training=self._training,
-        )
-        self.sampler_probe.install()
-        loaderwait.install(self.publisher.state)
-        self.recipe = recipe.RecipeProbe(
-            post=lambda kind, fields: self.publisher.post(kind, 0, fields),
-            post_model=self.publisher.post,
-            current_step=lambda: self.publisher.state.step,
-        )
-        self.recipe.install()
-        #: Made with the first model: user collectives are booked in its steps.
-        self.timer: collectives.CollectiveTimer | None = None
-        compiled.install(self._on_compiled, before=self._before_compile)
-        self.publisher.add_periodic(self._periodic)
-        self.publisher.on_request("fingerprint", self._request_fingerprint)
-        self._excepthook = sys.excepthook
-        sys.excepthook = self._on_uncaught
-        self._install_sigterm()
-        crashstacks.enable()
-        self.publisher.start(close_at_exit=False)
-        # After the exit work of libraries registered since ddpscope's import.
-        _exit.end_at_exit(self.finish, functools.partial(self.publisher.close, "exit"))
-
-    def _training(self) -> bool:
-        return torch.is_grad_enabled() and any(h.model.training for h in self.handles)
-
-    def _periodic(self) -> list[tuple[str, int, dict[str, Any]]]:
-        return [item for h in self.handles for item in h.periodic()]
-
-    def _before_compile(self, module: Any) -> None:
-        for h in self.handles:
-            if h.model is module:
-                h.guard(h.leave_for_compile)
-
-    def _on_compiled(self, original: Any, compiled_fn: Any) -> Any:
-        in_place = getattr(original, "__func__", None) is torch.nn.Module._call_impl
-        owner = getattr(original, "__self__", None) if in_place else None
-        for h in self.handles:
-            if h.model is original:
-                h.guard(h.follow_compiled, compiled_fn)
-            elif owner is not None and h.model is owner:
-                return h.wrap_compiled_call(compiled_fn)
-        return None
-
-    def _request_fingerprint(self) -> None:
-        for h in self.handles:
-            h.request_fingerprint()
-
-    def _install_sigterm(self) -> None:
-        # torchrun SIGTERMs the surviving ranks when one fails, and passes on a
-        # SIGTERM or SIGHUP it gets itself (a scheduler, a lost terminal).
-        # Without a word from them, a report cannot tell the rank that died
-        # first from the ones that were stopped. Only the default action is
-        # replaced: a user's own handler (checkpoint on preemption) is left alone.
-        installed = []
-        for sig in _END_SIGNALS:
-            try:
-                if signal.getsignal(sig) is signal.SIG_DFL:
-                    signal.signal(sig, self._on_sigterm)
-                    installed.append(sig)
-            except (ValueError, OSError):  # not the main thread, or no signals here
-                break
-        # A rank blocked in a collective runs no Python handler: the publisher thread
-        # hears the signal instead (ddpscope/hooks/signalwake.py).
-        wake = SignalWake(installed) if installed else None
-        if wake is not None and wake.active:
-            self._wake = wake
-            self.publisher.watch_signals(wake, self.end_from_publisher)
-
-    def end_from_publisher(self, signum: int) -> None:
-        """On the publisher thread: a stop signal the main thread could not handle
-        within signalwake.GRACE_S. Record the end, then die by the signal."""
-        with self._end_lock:
-            if self._finished:
-                return  # the main thread is ending the rank (or has)
-            self._finished = True
-        self.publisher.close("signal", signal.Signals(signum).name)
-        die_by(signum)
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        if self._finishing:
-            # Interrupting our own shutdown (after an exception, at exit) would
-            # lose its end message: let it finish, then terminate.
-            self._sigterm_pending = signum
-            return
-        self._sigterm_pending = signum
-        self.finish(reason="signal", error=signal.Signals(signum).name)
-
-    def _on_uncaught(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        text = crashstacks.bounded_traceback(exc_type, exc, tb)
-        try:
-            self.finish(reason="exception", error=text)
-        finally:
-            self._excepthook(exc_type, exc, tb)
-
-    def finish(self, reason: str = "exit", error: str = "") -> None:
-        with self._end_lock:
-            if self._finished:
-                return
-            self._finished = True
-        self._finishing = True
-        if sys.excepthook == self._on_uncaught:
-            sys.excepthook = self._excepthook
-        try:
-            for h in self.handles:
-                # A rank leaving on an exception or a signal may be mid-step:
-                # its weights are not comparable, so no final fingerprint.
-                h.finish(clean=reason in ("exit", "close"))
-            try:
-                self.sampler_probe.flush()
-                self.sampler_probe.uninstall()
-            except Exception:
-                pass
-            compiled.uninstall()
-            loaderwait.uninstall()
-            if self.timer is not None:
-                collectives.uninstall(self.timer)
-            self.recipe.finish()
-            self.publisher.close(reason, error)
-        finally:
-            self._finishing = False
-            if self._wake is not None:
-                self._wake.close()
-            self._restore_sigterm()
-
-    def _restore_sigterm(self) -> None:
-        for sig in _END_SIGNALS:
-            try:
-                if signal.getsignal(sig) == self._on_sigterm:
-                    signal.signal(sig, signal.SIG_DFL)
-            except (ValueError, OSError):
-                return
-        if self._sigterm_pending:
-            os.kill(os.getpid(), self._sigterm_pending)  # the one deferred while finishing
+_HANDLES: weakref.WeakKeyDictionary[Any, Handle | PendingHandle] = weakref.WeakKeyDictionary()
+_PROCESS: RankProcess | None = None
 
 
 class Handle:
     """What ``attach`` returns: the live link between one DDP model and ddpscope."""
 
-    def __init__(self, model: Any, proc: _Process, index: int) -> None:
+    def __init__(self, tgt: target.Target, proc: RankProcess, index: int) -> None:
+        model = tgt.ddp
         self.model = model
+        #: What the loop calls: the DDP model, or a module under ``replicate()``.
+        self.entry = tgt.entry
         self.index = index
         self._proc = proc
         self.publisher = proc.publisher
@@ -264,11 +77,11 @@ class Handle:
         self.rank = proc.rank
         self.error = ""
         opts = proc.opts
-        named = list(model.module.named_parameters())
+        named = tgt.named
         self.param_names = [n for n, _ in named]
         self.fingerprinter = Fingerprinter(
             [p for _, p in named],
-            [b for _, b in model.module.named_buffers()],
+            [b for _, b in tgt.module.named_buffers()],
             every=opts.checksum_every,
             budget=opts.checksum_budget,
         )
@@ -284,17 +97,17 @@ class Handle:
         )
         if opts.bucket_every:
             self.tracker.fixed_every = opts.bucket_every
-        self._info = runinfo.run_info_fields(model, opts, proc.started_wall_ns)
+        self._info = runinfo.run_info_fields(tgt, opts, proc.started_wall_ns)
         extra = proc.recipe.guard(
             recipe.run_info_fields, model, self._info["local_rank"], self._info["local_world_size"]
         )
         self._info.update(extra or {})
-        watch = proc.recipe.add_model(model, index)
+        watch = proc.recipe.add_model(model, index, tgt.module)
         self._watch = watch
         self._hparams_key: Any = None
         self._hparams: list[dict[str, Any]] = []
         self._hparams_step = 0
-        self._forward = forward.ForwardTiming(model, self.tracker, watch)
+        self._forward = forward.ForwardTiming(tgt.entry, self.tracker, watch, model)
         self.tracker.on_error = self.failed
         self.tracker.use_marker()
         backward_calls.install(self.tracker)
@@ -314,10 +127,11 @@ class Handle:
         elif opts.bucket_every > 0 or getattr(model, "_comm_hooks", None):
             # A hook registered before ddpscope could wrap it: wrap() says so.
             self._hook_buckets()
-        if compiled.compiled_in_place(model):
+        entry = tgt.entry
+        if compiled.compiled_in_place(entry):
             # ddp_model.compile() ran before attach: wrap what it made, as if we had seen it.
-            model._compiled_call_impl = self.wrap_compiled_call(
-                model._compiled_call_impl, announce=False
+            entry._compiled_call_impl = self.wrap_compiled_call(
+                entry._compiled_call_impl, announce=False
             )
         self.publisher.post(RunInfo.KIND, index, self._run_info())
         if opts.checksum_every != -1:
@@ -360,7 +174,7 @@ class Handle:
 
     # --- internals -----------------------------------------------------------
 
-    def _time_collectives(self, proc: _Process, model: Any) -> None:
+    def _time_collectives(self, proc: RankProcess, model: Any) -> None:
         if proc.timer is None:
             proc.timer = collectives.CollectiveTimer(self.tracker, proc.recipe.group_key)
             collectives.install(proc.timer)
@@ -387,6 +201,10 @@ class Handle:
         if announce:
             self.publisher.post(RunInfo.KIND, self.index, self._run_info())
         return call
+
+    def time_this_call(self, args: Any, kwargs: Any) -> None:
+        """Attached inside a forward's pre-hooks (replicate()): time that forward too."""
+        self.guard(self._forward.time_this_call, args, kwargs)
 
     def guard(self, fn: Callable[..., Any], *args: Any) -> bool:
         try:
@@ -521,32 +339,8 @@ class Handle:
         self.tracker.enabled = False
 
 
-class InertHandle:
-    """Returned when ddpscope is disabled: same surface, does nothing."""
-
-    enabled = False
-    step = 0
-    record_path = None
-    run_id = ""
-    rank = -1
-    error = ""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __repr__(self) -> str:
-        return f"<ddpscope.Handle disabled: {self.reason}>"
-
-    def request_fingerprint(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def attach(model: Any, **options: Any) -> Handle | InertHandle:
+def attach(model: Any, **options: Any) -> Handle | InertHandle | PendingHandle:
     """Attach ddpscope to a DDP model. Safe to call twice (returns the same handle)."""
-    global _PROCESS
     check_model(model)
     wrapper = None
     if fabric_ddp(model) is not None:
@@ -554,8 +348,42 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
     if compiled_ddp(model) is not None:
         wrapper, model = model, compiled_ddp(model)
     opts = config.load(options)  # bad options are the caller's error: raise them
+    state = target.replicate_state(model)
+    if state is None:
+        return _attach(target.of_ddp(model), opts, options, wrapper)
+    return attach_replicated(model, state, opts, options)
+
+
+def attach_replicated(module: Any, state: Any, opts: Options, options: dict[str, Any]) -> Any:
+    """Attach a module under ``replicate()``: now if its DDP exists, else at its first forward."""
+    if target.replicated_ddp(state) is not None:
+        return _attach(target.of_replicated(module, state), opts, options, None)
+    with _LOCK:
+        existing = _HANDLES.get(module)
+        if existing is None and not opts.disable:
+            try:
+                # The process side now: samplers and loaders made before the first
+                # forward are followed from their first batch.
+                _process_for(opts, module)
+            except Exception as exc:
+                log.warning("ddpscope could not attach and is off on this rank: %r", exc)
+                return InertHandle(f"attach failed: {exc!r}")
+            existing = _HANDLES[module] = PendingHandle(
+                module,
+                lambda m: _attach(target.of_replicated(m, state), opts, {}, None, pending=True),
+            )
+    return existing if existing is not None else InertHandle("DDPSCOPE_DISABLE is set")
+
+
+def _attach(
+    tgt: target.Target, opts: Options, options: dict[str, Any], wrapper: Any, pending: bool = False
+) -> Any:
+    model = tgt.entry
     with _LOCK:
         existing = _HANDLES.get(model)
+        if isinstance(existing, PendingHandle):
+            # Its first forward has come (pending), or attach() was called again after it.
+            existing = None if pending else existing.live or existing
         if existing is not None:
             if options:
                 log.warning(
@@ -570,21 +398,29 @@ def attach(model: Any, **options: Any) -> Handle | InertHandle:
         if opts.disable:
             return InertHandle("DDPSCOPE_DISABLE is set")
         try:
-            if _PROCESS is None or not _PROCESS.publisher._alive:
-                if _PROCESS is not None:
-                    _PROCESS.finish(reason="close")  # release its global hooks first
-                _PROCESS = _Process(opts, model)
-            handle = Handle(model, _PROCESS, len(_PROCESS.handles))
-            _PROCESS.handles.append(handle)
+            proc = _process_for(opts, tgt.ddp)
+            handle = Handle(tgt, proc, len(proc.handles))
+            proc.handles.append(handle)
         except (ConfigError, TypeError):
             raise
         except Exception as exc:
             log.warning("ddpscope could not attach and is off on this rank: %r", exc)
             return InertHandle(f"attach failed: {exc!r}")
-        _HANDLES[model] = handle
+        if not pending:
+            _HANDLES[model] = handle
     if wrapper is not None:
         handle.guard(handle.follow_compiled, wrapper)
     return handle
+
+
+def _process_for(opts: Options, model: Any) -> RankProcess:
+    """This process's side of ddpscope, started by the first attach (under _LOCK)."""
+    global _PROCESS
+    if _PROCESS is None or not _PROCESS.publisher._alive:
+        if _PROCESS is not None:
+            _PROCESS.finish(reason="close")  # release its global hooks first
+        _PROCESS = RankProcess(opts, model)
+    return _PROCESS
 
 
 def current_handles() -> list[Handle]:

@@ -14,12 +14,19 @@ warning and the model trains unwatched.
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 _MARK = "_ddpscope_autoattach"
+_REPLICATE_MODULE = "torch.distributed._composable.replicate"
 _original_init: Callable[..., None] | None = None
+_original_record: Callable[..., None] | None = None
+#: The parameter lists replicate() builds its DDP over: that DDP is not attached.
+_replicated: weakref.WeakSet[Any] = weakref.WeakSet()
 _warned = False
 _shim_pending = False
 #: attach() options for models that attach themselves (a framework callback's).
@@ -71,6 +78,80 @@ def _auto_attach(model: Any) -> None:
         _warn_once(exc)
 
 
+def _auto_attach_replicated(module: Any, state: Any) -> None:
+    """A module just put under ``replicate()``: attached at its first forward."""
+    try:
+        from ddpscope import config
+        from ddpscope.hooks.attach import attach_replicated
+
+        _replicated.add(state._param_list)
+        attach_replicated(module, state, config.load(_options), dict(_options))
+    except Exception as exc:
+        _warn_once(exc)
+
+
+class _ReplicateWatch:
+    """Meta-path finder: patches ``replicate()`` once torch loads its module.
+
+    For a process where :func:`install` ran while torch was still importing
+    (``ddpscope run``'s start-up hook): importing the module then would meet a
+    half-made torch, and the first DDP comes too late, from inside the first
+    replicated forward. Finds nothing itself; takes itself off when done.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != _REPLICATE_MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is not None and hasattr(loader, "exec_module"):
+            original = loader.exec_module
+
+            def exec_module(module: Any) -> None:
+                loader.__dict__.pop("exec_module", None)
+                original(module)
+                _install_replicate(module)
+
+            loader.exec_module = exec_module
+        return spec
+
+
+def _install_replicate(module: Any = None) -> None:
+    """Patch ``replicate()``'s state to attach each module it is given.
+
+    Its last step records the arguments it builds DDP from at the first
+    forward: the module's hooks are all in place by then, so ddpscope's come
+    after them. The DDP it builds there is left alone (:func:`install`): its
+    module is a bare parameter list, never called.
+    """
+    global _original_record
+    if module is None:
+        module = sys.modules.get(_REPLICATE_MODULE)
+    if module is None and not _torch_ready():
+        if not any(isinstance(f, _ReplicateWatch) for f in sys.meta_path):
+            sys.meta_path.insert(0, _ReplicateWatch())
+        return
+    try:
+        if module is None:
+            module = importlib.import_module(_REPLICATE_MODULE)
+        _ReplicateState = module._ReplicateState
+    except (ImportError, AttributeError):  # a torch without the composable API
+        return
+    record = _ReplicateState.record_init_args
+    if getattr(record, _MARK, False):
+        return
+    _original_record = record
+
+    @functools.wraps(record)
+    def record_init_args(self: Any, *args: Any, **kwargs: Any) -> None:
+        record(self, *args, **kwargs)
+        _auto_attach_replicated(args[0] if args else kwargs.get("module"), self)
+
+    setattr(record_init_args, _MARK, True)
+    _ReplicateState.record_init_args = record_init_args
+
+
 def install() -> bool:
     """Patch ``DistributedDataParallel.__init__``; idempotent. True if patched now."""
     global _original_init, _shim_pending
@@ -84,10 +165,12 @@ def install() -> bool:
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        _auto_attach(self)
+        if getattr(self, "module", None) not in _replicated:
+            _auto_attach(self)
 
     setattr(__init__, _MARK, True)
     DDP.__init__ = __init__  # type: ignore[method-assign]
+    _install_replicate()
     if _torch_ready():
         _install_shim()
     else:
@@ -98,7 +181,12 @@ def install() -> bool:
 
 def uninstall() -> None:
     """Undo :func:`install` (for tests). The comm-hook class shim stays."""
-    global _original_init
+    global _original_init, _original_record
+    if _original_record is not None:
+        from torch.distributed._composable.replicate import _ReplicateState
+
+        _ReplicateState.record_init_args = _original_record  # type: ignore[method-assign]
+        _original_record = None
     if _original_init is None:
         return
     from torch.nn.parallel.distributed import DistributedDataParallel as DDP

@@ -41,12 +41,19 @@ def _bound_forward(model: Any) -> Any:
 
 
 class ForwardProbe:
-    """Sits in ``ddp_model.__dict__["forward"]``; calls the tracker around DDP's forward."""
+    """Sits in ``ddp_model.__dict__["forward"]``; calls the tracker around DDP's forward.
 
-    __slots__ = ("inner", "model", "tracker", "watch")
+    ``model`` is what the loop calls, ``ddp`` the DDP that owns its reducer: the
+    same object, except for a module under ``replicate()`` (hooks/target.py),
+    where the probe sits in the user's module and the tracker reads DDP's sync
+    flags from the DDP its forward hooks drive.
+    """
 
-    def __init__(self, model: Any, tracker: Any, watch: Any) -> None:
+    __slots__ = ("ddp", "inner", "model", "tracker", "watch")
+
+    def __init__(self, model: Any, tracker: Any, watch: Any, ddp: Any = None) -> None:
         self.model = model
+        self.ddp = model if ddp is None else ddp
         self.inner = _bound_forward(model)
         self.tracker = tracker
         #: The recipe checks' per-forward probe (batch size, buffer broadcasts).
@@ -58,17 +65,17 @@ class ForwardProbe:
         tr = self.tracker
         if not tr.enabled:
             return self.inner(*args, **kwargs)
-        model = self.model
+        ddp = self.ddp
         try:
-            tr.forward_pre(model, args)
+            tr.forward_pre(ddp, args)
         except Exception as exc:
             tr.fail(exc)
         # Guarded inside: a failure there turns the recipe checks off, not ddpscope.
-        self.watch.forward_pre(model, args, kwargs)
+        self.watch.forward_pre(self.model, args, kwargs)
         out = self.inner(*args, **kwargs)
         if tr.enabled:
             try:
-                tr.forward_post(model, args, out)
+                tr.forward_post(ddp, args, out)
             except Exception as exc:
                 tr.fail(exc)
         return out
@@ -88,12 +95,13 @@ class ForwardTiming:
       calls the tracker around it (:meth:`wrap_compiled_call`).
     """
 
-    def __init__(self, model: Any, tracker: Any, watch: Any) -> None:
+    def __init__(self, model: Any, tracker: Any, watch: Any, ddp: Any = None) -> None:
         self.model = model
+        self.ddp = model if ddp is None else ddp
         self.tracker = tracker
         self.watch = watch
         self.compiled = False
-        self._probe: ForwardProbe | None = ForwardProbe(model, tracker, watch)
+        self._probe: ForwardProbe | None = ForwardProbe(model, tracker, watch, self.ddp)
         # object.__setattr__: nn.Module's own __setattr__ looks for parameters first.
         object.__setattr__(model, "forward", self._probe)
         self._hooks: list[Any] = []
@@ -157,9 +165,30 @@ class ForwardTiming:
         compiled.run_eagerly(call)
         return call
 
+    def time_this_call(self, args: Any, kwargs: Any) -> None:
+        """Time a forward already under way: the probe came in during its pre-hooks.
+
+        ``nn.Module.__call__`` reads ``forward`` before it runs the pre-hooks, so
+        a probe put there by one of them (a module under ``replicate()`` is
+        attached at its first forward, once its DDP exists) starts with the next
+        call. This one is timed by hooks that remove themselves after it.
+        """
+        if self.compiled or not self.tracker.enabled:
+            return
+        self._pre(self.model, args, kwargs)
+        post = self._guarded(self.tracker.forward_post)
+        hooks: list[Any] = []
+
+        def once(module: Any, call_args: Any, out: Any) -> None:
+            for h in hooks:
+                h.remove()
+            post(module, call_args, out)
+
+        hooks.append(self.model.register_forward_hook(once))
+
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
         try:
-            self.tracker.forward_pre(module, args)
+            self.tracker.forward_pre(self.ddp, args)
         except Exception as exc:
             self.tracker.fail(exc)
         # Guarded inside: a failure there turns the recipe checks off, not ddpscope.

@@ -14,6 +14,20 @@ def no_device_memory() -> tuple[int, int]:
     return (-1, -1)
 
 
+def device_memory_for(device: str) -> DeviceMemory:
+    """The reader of the memory torch's allocator holds on ``device``: a GPU's, else none."""
+    if not device.startswith("cuda"):
+        return no_device_memory
+    import torch
+
+    dev = torch.device(device)
+
+    def read() -> tuple[int, int]:
+        return (torch.cuda.memory_allocated(dev), torch.cuda.memory_reserved(dev))
+
+    return read
+
+
 class HostProbe:
     def __init__(self, device_memory: DeviceMemory = no_device_memory) -> None:
         self._proc = psutil.Process()

@@ -1,4 +1,5 @@
-"""What ``ddpscope.attach()`` accepts: a DDP model, or a wrapper it can find one in.
+"""What ``ddpscope.attach()`` accepts: a DDP model, a wrapper it can find one in, or a
+module under torch's composable ``replicate()``.
 
 A wrong argument is the caller's error and raises ``TypeError`` with the fix
 (DataParallel gets its own explanation); ``torch.compile(ddp_model)`` and what
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
+
+from ddpscope.hooks.target import replicate_state
 
 
 def _type_name(obj: Any) -> str:
@@ -36,7 +39,7 @@ def fabric_ddp(model: Any) -> Any:
 def check_model(model: Any) -> None:
     if isinstance(model, DistributedDataParallel) or compiled_ddp(model) is not None:
         return
-    if fabric_ddp(model) is not None:
+    if fabric_ddp(model) is not None or replicate_state(model) is not None:
         return
     if isinstance(model, DataParallel):
         raise TypeError(
@@ -46,7 +49,7 @@ def check_model(model: Any) -> None:
             "DistributedDataParallel(model, device_ids=[local_rank]) instead."
         )
     raise TypeError(
-        f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model, got "
-        f"{_type_name(model)}. Wrap the model first: model = DistributedDataParallel(model); "
-        "ddpscope.attach(model)."
+        f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model (or a "
+        f"module under torch.distributed._composable.replicate), got {_type_name(model)}. "
+        "Wrap the model first: model = DistributedDataParallel(model); ddpscope.attach(model)."
     )

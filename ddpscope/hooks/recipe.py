@@ -276,9 +276,11 @@ def count_key(op: str, group: str, frame: FrameType | None) -> CountKey:
 class ModelWatch:
     """Per attached DDP model: the batch it trains on and the buffer broadcasts it makes."""
 
-    def __init__(self, probe: RecipeProbe, model: Any, index: int) -> None:
+    def __init__(self, probe: RecipeProbe, model: Any, index: int, module: Any) -> None:
         self.probe = probe
         self.model = model
+        #: The user's layers: the DDP model's ``.module``, or a module under replicate().
+        self.module = module
         self.index = index
         self.size = -1
         # Only models that broadcast buffers in forward need the per-forward check.
@@ -333,7 +335,7 @@ class ModelWatch:
             probe.disable(exc)
 
     def _post_batch(self, size: int, source: str) -> None:
-        layers = batchnorm_layers(self.model.module)
+        layers = batchnorm_layers(self.module)
         self.probe.post_model(
             BatchInfo.KIND,
             self.index,
@@ -379,11 +381,15 @@ class RecipeProbe:
                 _active = None
                 _unpatch()
 
-    def add_model(self, model: Any, index: int) -> ModelWatch:
-        """Watch one attached DDP model; reports a DataParallel found inside it."""
+    def add_model(self, model: Any, index: int, module: Any = None) -> ModelWatch:
+        """Watch one attached DDP model; reports a DataParallel found inside it.
+
+        ``module``: the user's layers, when they are not ``model.module`` (replicate()).
+        """
+        module = model.module if module is None else module
         self._models.append(weakref.ref(model))
-        watch = ModelWatch(self, model, index)
-        self.guard(self._scan_dataparallel, model)
+        watch = ModelWatch(self, model, index, module)
+        self.guard(self._scan_dataparallel, module)
         return watch
 
     def on_step_end(self, steps: int) -> None:
@@ -552,8 +558,8 @@ class RecipeProbe:
         except Exception as exc:
             self.disable(exc)
 
-    def _scan_dataparallel(self, model: Any) -> None:
-        for m in model.module.modules():
+    def _scan_dataparallel(self, module: Any) -> None:
+        for m in module.modules():
             if isinstance(m, DataParallel):
                 self._post_dataparallel(m, "", inside=True)
 

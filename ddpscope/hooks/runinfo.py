@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ddpscope._version import __version__
 from ddpscope.config import Options
+from ddpscope.hooks.target import Target, of_ddp
 
 _RUN_ID_KEY = "ddpscope/run_id"
 
@@ -113,20 +114,30 @@ def device_of(model: Any) -> str:
 
 
 def layout(model: Any) -> tuple[list[list[Any]], list[list[Any]]]:
+    """A DDP model's parameters and buffers, named as in its module's state dict."""
+    return layout_of(of_ddp(model))
+
+
+def layout_of(target: Target) -> tuple[list[list[Any]], list[list[Any]]]:
     params = [
         [name, list(p.shape), str(p.dtype).replace("torch.", ""), bool(p.requires_grad)]
-        for name, p in model.module.named_parameters()
+        for name, p in target.named
     ]
     buffers = [
         [name, list(b.shape), str(b.dtype).replace("torch.", "")]
-        for name, b in model.module.named_buffers()
+        for name, b in target.module.named_buffers()
     ]
     return params, buffers
 
 
-def run_info_fields(model: Any, opts: Options, started_wall_ns: int) -> dict[str, Any]:
+def run_info_fields(target: Target, opts: Options, started_wall_ns: int) -> dict[str, Any]:
     topo = topology()
-    params, buffers = layout(model)
+    model = target.ddp
+    params, buffers = layout_of(target)
+    ddp = ddp_settings(model)
+    if target.api != "ddp":
+        ddp["api"] = target.api
+        ddp["broadcast_buffers"] = target.syncs_buffers
     return {
         "local_rank": topo["local_rank"],
         "world_size": topo["world_size"],
@@ -137,7 +148,7 @@ def run_info_fields(model: Any, opts: Options, started_wall_ns: int) -> dict[str
         "backend": backend_of(model),
         "device": device_of(model),
         "versions": versions(),
-        "ddp": ddp_settings(model),
+        "ddp": ddp,
         "params": params,
         "buffers": buffers,
         "started_wall_ns": started_wall_ns,

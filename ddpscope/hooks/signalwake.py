@@ -12,7 +12,7 @@ The C-level handler still runs at once, and writes the signal's number to
 the file given to :func:`signal.set_wakeup_fd`. :class:`SignalWake` owns that
 file (a pipe); the publisher thread polls it with its sockets and, when the
 main thread has not handled a stop signal within :data:`GRACE_S`, ends the
-rank from there (:meth:`ddpscope.hooks.attach._Process.end_from_publisher`):
+rank from there (:meth:`ddpscope.hooks.process.RankProcess.end_from_publisher`):
 its End message, then the signal's default action, as without ddpscope.
 
 Where the wakeup file is taken (an asyncio loop on the main thread owns it),
