@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from ddpscope.analysis.detectors.desync import DesyncDetector, compare
 from ddpscope.analysis.engine import Analysis
-from ddpscope.schema import Collectives, End, Fingerprint, Message
+from ddpscope.schema import DDP_API_REPLICATE, Collectives, End, Fingerprint, Message
 from tests.support.synth import BUFFERS, PARAMS, RUN, feed, findings, fingerprint, run_infos
 
 P = [11, 22, 33, 44]  # digests of PARAMS, in RunInfo order
@@ -102,6 +102,16 @@ def test_batchnorm_statistics_that_differ_without_broadcast_buffers_are_info_not
     assert f.severity == "info" and f.evidence["norm_stats_only"] is True
     assert f.message.startswith("normalisation running statistics differ across ranks")
     assert "diverged" not in f.message
+
+
+def test_statistics_of_a_replicated_module_are_said_to_come_from_replicate() -> None:
+    # replicate() builds DDP over the parameters only: no flag to turn back on.
+    msgs = fps(2, 6, r1=(P, changed(B, 0, 1)))
+    ddp = {"broadcast_buffers": False, "api": DDP_API_REPLICATE}
+    (f,) = findings(analyse(msgs, ddp=ddp))
+    assert f.severity == "info" and f.evidence["api"] == DDP_API_REPLICATE
+    assert "as expected with replicate()" in f.message
+    assert "broadcast_buffers" not in f.fix and "SyncBatchNorm" in f.fix
 
 
 def test_a_buffer_that_is_no_running_statistic_differing_is_a_warning() -> None:

@@ -53,7 +53,7 @@ from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
-from ddpscope.schema import Collectives, End, Fingerprint, Message, Step
+from ddpscope.schema import DDP_API_REPLICATE, Collectives, End, Fingerprint, Message, Step
 
 KIND = "desync"
 #: Tensor names quoted in a message; the evidence keeps more.
@@ -104,6 +104,14 @@ _FIX_BUFFERS = (
     "broadcast_buffers=True, SyncBatchNorm (torch.nn.SyncBatchNorm.convert_sync_batchnorm), "
     "or average/broadcast the buffers before evaluating or saving. Buffers edited in place "
     "on one rank only also show up here."
+)
+
+_FIX_BUFFERS_REPLICATE = (
+    "replicate() builds DDP over the parameters only, so each rank keeps its own buffers: "
+    "BatchNorm running statistics are updated from the local batch only and drift apart, and "
+    "evaluation and checkpoints depend on which rank they come from. Use SyncBatchNorm "
+    "(torch.nn.SyncBatchNorm.convert_sync_batchnorm), or average/broadcast the buffers before "
+    "evaluating or saving. Buffers edited in place on one rank only also show up here."
 )
 
 
@@ -197,6 +205,12 @@ def _names(run: RunState, attr: str, model: int) -> list[str]:
 def _key(what: str, model: int) -> str:
     """The finding's key: ``params`` or ``buffers``, with the model when not the first."""
     return what if model == 0 else f"{what}:{model}"
+
+
+def _replicated(run: RunState, model: int) -> bool:
+    """The model is a module under replicate() (which never broadcasts buffers)."""
+    infos = [v.infos[model] for v in run.ranks.values() if model in v.infos]
+    return any(i.ddp.get("api") == DDP_API_REPLICATE for i in infos)
 
 
 def _broadcast_buffers(run: RunState, model: int) -> bool:
@@ -363,10 +377,16 @@ class DesyncDetector:
         old = book.get(KIND, key)
         first = old.step if old is not None and old.active else step
         stats_only = what == "buffers" and all(_is_norm_stat(n) for n in label)
+        replicated = what == "buffers" and _replicated(run, model)
         if stats_only:
+            why = (
+                "replicate(), which syncs parameters only"
+                if replicated
+                else "broadcast_buffers=False"
+            )
             message = (
                 f"normalisation running statistics differ across ranks ({len(label)} {noun}: "
-                f"{quoted}) from step {first}, as expected with broadcast_buffers=False: each "
+                f"{quoted}) from step {first}, as expected with {why}: each "
                 "rank's come from its own batches, so evaluation and checkpoints depend on "
                 f"the rank they come from; {who}."
             )
@@ -416,6 +436,8 @@ class DesyncDetector:
         if what == "buffers":
             evidence["broadcast_buffers"] = False
             evidence["norm_stats_only"] = stats_only
+            if replicated:
+                evidence["api"] = DDP_API_REPLICATE
         severity = "error" if what == "params" else "info" if stats_only else "warning"
         if averaged:
             evidence["model_averaging"] = True
@@ -430,7 +452,7 @@ class DesyncDetector:
                 ranks=diff.ranks,
                 step=step,
                 message=message,
-                fix=_fix(what, averaged, bool(alone)),
+                fix=_FIX_BUFFERS_REPLICATE if replicated else _fix(what, averaged, bool(alone)),
                 evidence=evidence,
             ),
         )
