@@ -65,6 +65,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "collate function), or inside its model's forward",
     )
     p.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="cnn: Conv+BatchNorm")
+    p.add_argument(
+        "--api",
+        choices=["ddp", "replicate"],
+        default="ddp",
+        help="replicate: torch.distributed._composable.replicate instead of DDP(...)",
+    )
     p.add_argument("--loss-allreduce", action="store_true", help="all-reduce the loss each step")
     p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
@@ -235,12 +241,22 @@ def main(argv: list[str] | None = None) -> None:
         net.register_forward_pre_hook(lambda *_: time.sleep(args.slow_ms / 1000))
     if args.dataparallel:
         net = nn.DataParallel(net)  # legacy single-process multi-GPU code left in a DDP job
-    model = DDP(
-        net,
-        device_ids=[device] if device is not None else None,
-        bucket_cap_mb=args.bucket_mb,
-        gradient_as_bucket_view=args.bucket_view,
-    )
+    if args.api == "replicate":
+        # torch's composable DDP (torchtitan's data-parallel path): the loop calls
+        # the module itself, whose first forward builds the DDP inside.
+        from torch.distributed._composable import replicate
+
+        on_gpu = {} if device is None else {"device_id": device}
+        model = replicate(
+            net, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view, **on_gpu
+        )
+    else:
+        model = DDP(
+            net,
+            device_ids=[device] if device is not None else None,
+            bucket_cap_mb=args.bucket_mb,
+            gradient_as_bucket_view=args.bucket_view,
+        )
     if args.comm_hook == "fp16-before":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -249,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         ddpscope.attach(model)
     if args.resume:
         # Into the plain model: fails with the 'module.' keys of --save-ddp-state.
-        model.module.load_state_dict(torch.load(args.resume, weights_only=True)["model"])
+        _layers(model).load_state_dict(torch.load(args.resume, weights_only=True)["model"])
     if args.comm_hook == "fp16-after":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -273,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(f"{args.ddp_log}.rank{rank}", "w") as f:
             json.dump(model._get_ddp_logging_data(), f, default=str)
     if args.save and rank == 0:
-        torch.save(model.module.state_dict(), args.save)
+        torch.save(_layers(model).state_dict(), args.save)
     # Without a barrier, a rank that tears its process group down while the
     # other is still finishing makes gloo abort ("terminate called without an
     # active exception") in about half the runs here, ddpscope or not.
@@ -300,7 +316,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 xb, yb = xb.to(device), yb.to(device)
             micro += 1
             sync = micro == args.accum
-            with _null() if sync or args.accum_without_no_sync else model.no_sync():
+            with _null() if sync or args.accum_without_no_sync else _no_sync(model):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
                     out = model(xb)
                 loss = loss_fn(out.float(), yb) / args.accum
@@ -348,8 +364,33 @@ def _epoch_end(  # type: ignore[no-untyped-def]
     if args.barrier or (args.rank0_barrier and rank == 0):
         dist.barrier()
     if args.checkpoint and (rank == 0 or args.save_all_ranks):
-        state = model.state_dict() if args.save_ddp_state else model.module.state_dict()
+        state = model.state_dict() if args.save_ddp_state else _layers(model).state_dict()
         torch.save({"epoch": epoch, "model": state}, args.checkpoint)
+
+
+def _layers(model: nn.Module) -> nn.Module:
+    """The user's layers: DDP's ``.module``; a replicated module is its own."""
+    return model.module if isinstance(model, DDP) else model
+
+
+class _no_sync:
+    """Accumulate without all-reducing: DDP's ``no_sync()``, or replicate()'s switch."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.ddp = model.no_sync() if isinstance(model, DDP) else None
+
+    def __enter__(self) -> None:
+        if self.ddp is not None:
+            self.ddp.__enter__()
+        else:
+            self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.ddp is not None:
+            self.ddp.__exit__(*exc)
+        else:
+            self.model.set_requires_gradient_sync(True)
 
 
 def _evaluate(model: nn.Module, dataset: Any, batch: int, device: Any) -> None:
