@@ -1,5 +1,5 @@
 """Every example in docs/integrations.md (Lightning callback, Trainer callback,
-torch.compile) run as the page says, under torchrun with 2 ranks, and its
+torch.compile, replicate()) run as the page says, under torchrun with 2 ranks, and its
 recording read back.
 """
 
@@ -28,7 +28,9 @@ def _examples() -> dict[str, str]:
 
 
 def test_integrations_doc_has_its_examples() -> None:
-    assert sorted(_examples()) == ["compiled.py", "hf_trainer_callback.py", "lightning_callback.py"]
+    assert sorted(_examples()) == [
+        "compiled.py", "hf_trainer_callback.py", "lightning_callback.py", "replicated.py"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("name", sorted(_examples()))
