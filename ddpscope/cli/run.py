@@ -303,6 +303,26 @@ def describe_attempts(env: Mapping[str, str]) -> str:
     )
 
 
+def describe_unrecorded(env: Mapping[str, str]) -> str:
+    """The line saying no process of the job attached a model, when none did; else ''."""
+    opts = config.load(env=env)
+    if not (opts.record and opts.run_id):
+        return ""
+    try:
+        names = os.listdir(opts.record)
+    except OSError:
+        names = []
+    attempt = re.compile(re.escape(opts.run_id) + r"(-r\d+)?")
+    if any(attempt.fullmatch(n) for n in names):
+        return ""  # some attempt of the job attached (torchrun's restarts are ID-rN)
+    return (
+        f"ddpscope: run {opts.run_id} recorded nothing: no process of the job attached a "
+        "model. ddpscope watches DistributedDataParallel models and modules under "
+        "torch.distributed._composable.replicate; the job built none before it ended "
+        "(FSDP and other sharded wrappers are not watched)."
+    )
+
+
 def describe(env: Mapping[str, str]) -> str:
     """The one line saying where the recording goes."""
     opts = config.load(env=env)
@@ -416,9 +436,9 @@ class RunCommand:
             rc = launch_with_watcher(command, env, metrics)
         else:
             rc = launch(command, env)
-        restarted = describe_attempts(env)
-        if restarted:
-            print(restarted, file=sys.stderr, flush=True)
+        ending = describe_attempts(env) or describe_unrecorded(env)
+        if ending:
+            print(ending, file=sys.stderr, flush=True)
         return rc
 
     def _run_relayed(

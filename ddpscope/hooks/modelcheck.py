@@ -36,6 +36,15 @@ def fabric_ddp(model: Any) -> Any:
     return inner if isinstance(inner, DistributedDataParallel) else None
 
 
+def _sharded(model: Any) -> bool:
+    """An FSDP model: ``FullyShardedDataParallel`` or a module under ``fully_shard``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:
+        return False
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
+
+
 def check_model(model: Any) -> None:
     if isinstance(model, DistributedDataParallel) or compiled_ddp(model) is not None:
         return
@@ -47,6 +56,14 @@ def check_model(model: Any) -> None:
             "GPUs; ddpscope watches DistributedDataParallel, one process per GPU. Launch with "
             "torchrun, call torch.distributed.init_process_group(), and wrap with "
             "DistributedDataParallel(model, device_ids=[local_rank]) instead."
+        )
+    if _sharded(model):
+        raise TypeError(
+            f"ddpscope.attach() got {_type_name(model)}, a fully sharded (FSDP) model: each "
+            "rank holds a different shard of the weights, and ddpscope watches data-parallel "
+            "replicas (DistributedDataParallel, or a module under "
+            "torch.distributed._composable.replicate), whose weights are the same on every "
+            "rank. FSDP is not supported; train without attaching it."
         )
     raise TypeError(
         f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model (or a "

@@ -44,14 +44,18 @@ def test_run_returns_the_child_exit_code(tmp_path: Path) -> None:
     assert proc.returncode == 7
 
 
-def test_run_says_where_the_recording_goes(tmp_path: Path) -> None:
+def test_run_says_where_the_recording_goes_and_that_a_job_with_no_model_recorded_nothing(
+    tmp_path: Path,
+) -> None:
     proc = _cli(
         "run", "--record", str(tmp_path), "--run-id", "my-run", "--", sys.executable, "-c", "pass"
     )
     assert proc.returncode == 0
     lines = proc.stderr.splitlines()
-    assert len(lines) == 1
+    assert len(lines) == 2
     assert str(tmp_path / "my-run") in lines[0]
+    # An FSDP job, or one that ended before its model: silence would read as "healthy".
+    assert lines[1].startswith("ddpscope: run my-run recorded nothing: no process of the job")
 
 
 def test_run_of_a_missing_program_is_127(tmp_path: Path) -> None:

@@ -59,6 +59,14 @@ def test_data_parallel_is_explained_instead_of_a_bare_type_error() -> None:
         ddpscope.attach(nn.DataParallel(nn.Linear(2, 2)))
 
 
+def test_an_fsdp_model_is_refused_as_sharded_not_told_to_wrap_in_ddp() -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with pytest.raises(TypeError, match=r"FSDPLinear, a fully sharded \(FSDP\) model") as err:
+        ddpscope.attach(fully_shard(nn.Linear(2, 2)))
+    assert "Wrap the model first" not in str(err.value)
+
+
 def test_attaching_twice_returns_the_same_handle() -> None:
     model = _ddp()
     first = ddpscope.attach(model)

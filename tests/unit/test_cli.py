@@ -101,6 +101,18 @@ def test_every_node_of_a_multi_node_launch_gets_the_same_run_id() -> None:
     assert single["DDPSCOPE_RUN_ID"] != first["DDPSCOPE_RUN_ID"]
 
 
+def test_a_job_is_said_to_have_recorded_nothing_only_when_no_attempt_left_a_directory(
+    tmp_path: Path,
+) -> None:
+    env = run_cmd.build_env({}, record=str(tmp_path), run_id="job")
+    assert "job recorded nothing" in run_cmd.describe_unrecorded(env)
+    (tmp_path / "job-r1").mkdir()  # the first attempt built no model, the restart did
+    assert run_cmd.describe_unrecorded(env) == ""
+    (tmp_path / "job").mkdir()
+    assert run_cmd.describe_unrecorded(env) == ""
+    assert run_cmd.describe_unrecorded(run_cmd.build_env({}, record="", run_id="job")) == ""
+
+
 def test_relative_record_dir_is_made_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
