@@ -248,6 +248,9 @@ class Step(Message):
     #: optimizer.step() ran on gradients no backward of this step all-reduced
     #: (every one under ``no_sync()``): the rank's update is its own.
     unsynced: bool = False
+    #: The step's backward reached the model with no forward through DDP in the
+    #: step (the loop called ``model.module``): DDP all-reduced nothing.
+    bypassed: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -72,6 +72,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="replicate: torch.distributed._composable.replicate instead of DDP(...)",
     )
     p.add_argument("--loss-allreduce", action="store_true", help="all-reduce the loss each step")
+    p.add_argument(
+        "--bypass-ddp", action="store_true", help="train through model.module (no all-reduce)"
+    )
     p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
     p.add_argument(
@@ -318,7 +321,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             sync = micro == args.accum
             with _null() if sync or args.accum_without_no_sync else _no_sync(model):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
-                    out = model(xb)
+                    out = (_layers(model) if args.bypass_ddp else model)(xb)
                 loss = loss_fn(out.float(), yb) / args.accum
                 loss.backward()
             if not sync:

@@ -24,6 +24,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.rank_exit import RankExitDetector
     from ddpscope.analysis.detectors.recipe.accumulation import AccumulationDetector
     from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
+    from ddpscope.analysis.detectors.recipe.bypass import BypassDetector
     from ddpscope.analysis.detectors.recipe.checkpoint import CheckpointDetector
     from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector
     from ddpscope.analysis.detectors.recipe.dataparallel import DataParallelDetector
@@ -58,6 +59,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         ProcessGroupDetector(mode),
         DeviceDetector(mode),
         AccumulationDetector(mode),
+        BypassDetector(mode),
     ]
 
 

@@ -29,6 +29,8 @@ The rules:
   the collective timeout are the mismatch's consequence, not its cause.)
 - ``straggler`` explains a ``hang`` episode that resumed by itself, when the
   rank behind in it is that straggler: the others waited for it, once longer.
+- ``forward_bypasses_ddp`` explains the parameters' ``desync`` that followed
+  steps trained with no forward through DDP: no gradient was all-reduced.
 
 Rules run when the book changed (its version moved), after the detectors,
 from :class:`ddpscope.analysis.engine.Analysis`. A link whose rule no longer
@@ -317,8 +319,23 @@ def straggler_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
     }
 
 
+def bypass_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
+    d = book.get("desync", "params")
+    b = book.get("forward_bypasses_ddp", "model:0")
+    if d is None or b is None or b.step > d.step:
+        return {}
+    return {
+        (d.kind, d.key): Want(
+            (b.kind, b.key),
+            "Caused by forward_bypasses_ddp: the loop trains without a forward through the "
+            "DDP model, so no gradient was all-reduced and each rank's replica went its own way.",
+            fix=f"Fix the cause: {b.fix}",
+        )
+    }
+
+
 #: In order: the first rule that explains a finding gives its cause.
-RULES: tuple[Rule, ...] = (uneven_inputs_rule, crash_rule, straggler_rule)
+RULES: tuple[Rule, ...] = (uneven_inputs_rule, crash_rule, straggler_rule, bypass_rule)
 
 
 def link_causes(run: RunState, book: FindingBook, rules: tuple[Rule, ...] = RULES) -> None:

@@ -49,6 +49,9 @@ class StepRecord(NamedTuple):
     #: step's close, and in how many calls (hooks/loaderwait.py; 0: none seen).
     fetch_ns: int
     fetch_calls: int
+    #: A backward of the step reached the model with no forward through DDP in the
+    #: step: the loop called the wrapped module itself, and DDP all-reduced nothing.
+    bypassed: bool
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

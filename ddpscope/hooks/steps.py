@@ -870,6 +870,7 @@ class StepTracker:
                 self._opt > 0 and self._bwd > 0 and not self._synced,
                 waited - self._fetch_mark,
                 fetches,
+                self._fwd == 0 and self._bwd > 0,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
@@ -918,6 +919,8 @@ class StepTracker:
             if entry[1] is not None:
                 # Manual optimization: the rest of this forward is the next step's.
                 entry[1] = end
+                if entry[0] == FORWARD:
+                    self._fwd = 1  # its backwards come through DDP's forward: not bypassed
         if step >= self.notify_at:
             self.on_step_end(step)
 
@@ -1073,6 +1076,8 @@ class StepTracker:
         }
         if rec.unsynced:
             fields["unsynced"] = True
+        if rec.bypassed:
+            fields["bypassed"] = True
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

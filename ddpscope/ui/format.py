@@ -21,6 +21,7 @@ BADGES = {
     "no_destroy_process_group": "no destroy",
     "device_mismatch": "device",
     "accumulate_without_no_sync": "accumulate",
+    "forward_bypasses_ddp": "bypass DDP",
 }
 #: The status column's width, in the ranks and the hosts views.
 BADGE_W = 10

@@ -32,6 +32,7 @@ RECIPE_KINDS = {
     "no_destroy_process_group",
     "device_mismatch",
     "accumulate_without_no_sync",
+    "forward_bypasses_ddp",
 }
 
 
@@ -184,6 +185,21 @@ def test_nothing_but_the_injected_faults_is_reported(misconfigured: Any) -> None
         "dataparallel",
         "no_destroy_process_group",
     ], show(misconfigured["findings"])
+
+
+def test_training_through_model_module_is_named_as_the_desyncs_cause(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--epochs", "2", "--bypass-ddp", nproc=3)
+    doc = report_of(rec)
+    (b,) = of_kind(doc, "forward_bypasses_ddp")
+    assert b["severity"] == "error" and b["ranks"] == [0, 1, 2]
+    assert b["evidence"]["bypassed_steps"] == b["evidence"]["steps"]
+    # Each rank trained its own replica: the desync that follows points to the cause.
+    (d,) = of_kind(doc, "desync")
+    assert d["cause"]["kind"] == "forward_bypasses_ddp" and d["severity"] == "info"
+    assert [f["kind"] for f in serious(doc)] == ["forward_bypasses_ddp"], show(serious(doc))
 
 
 def test_a_large_per_rank_batch_through_batchnorm_is_healthy(tmp_path: Path, endpoint: str) -> None:

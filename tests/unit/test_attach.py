@@ -125,6 +125,63 @@ def test_a_recording_read_in_time_order_has_no_sequence_gap(fresh_process: Path)
     assert list(stream.gap_n) == []
 
 
+def test_training_through_model_module_marks_every_step_bypassed(fresh_process: Path) -> None:
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train(model, 2, opt)
+    _train(model.module, 3, opt)  # the wrapped module: DDP's forward never runs
+    handle.close()
+    steps = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, Step)]
+    assert [s.bypassed for s in steps] == [False, False, True, True, True]
+    assert all(not s.unsynced for s in steps)
+
+
+def test_steps_inside_one_ddp_forward_are_not_bypassed(fresh_process: Path) -> None:
+    # Lightning's manual optimization: training_step runs inside DDP's forward and
+    # steps the optimizer there, several times; only the first step saw the forward.
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(8, 2)
+            self.opt: torch.optim.Optimizer | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert self.opt is not None
+            for _ in range(3):
+                self.net(x).sum().backward()
+                self.opt.step()
+                self.opt.zero_grad()
+            return x
+
+    inner = Inner()
+    model = DDP(inner)
+    inner.opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    for _ in range(2):
+        model(torch.randn(4, 8))
+    handle.close()
+    steps = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, Step)]
+    assert len(steps) == 6 and not any(s.bypassed for s in steps)
+
+
+def test_attached_between_a_forward_and_its_backward_only_that_step_is_bypassed(
+    fresh_process: Path,
+) -> None:
+    # What forward_bypasses_ddp must not take for a loop around DDP (it wants 4 steps).
+    model = _ddp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(4, 8)).sum()
+    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    _train(model, 3, opt)
+    handle.close()
+    steps = [m for m in open_run(str(fresh_process / "rec")).messages[0] if isinstance(m, Step)]
+    assert [s.bypassed for s in steps] == [True, False, False, False]
+
+
 def test_evaluation_forwards_do_not_open_steps(fresh_process: Path) -> None:
     model = _ddp()
     handle = ddpscope.attach(model, record=str(fresh_process / "rec"))

@@ -4,7 +4,7 @@ One module per check, each judging what the ranks' recipe probe
 (ddpscope/hooks/recipe.py) reports: ``global_batch``, ``checkpoint_all_ranks``,
 ``rank0_only_collective`` (collectives.py), ``dataparallel``,
 ``batchnorm_small_batch`` (batchnorm.py), ``no_destroy_process_group``
-(process_group.py), ``device_mismatch`` (device.py) and
-``accumulate_without_no_sync`` (accumulation.py). common.py and
-setup.py are what they share; no torch here.
+(process_group.py), ``device_mismatch`` (device.py),
+``accumulate_without_no_sync`` (accumulation.py) and ``forward_bypasses_ddp``
+(bypass.py). common.py and setup.py are what they share; no torch here.
 """
