@@ -371,6 +371,7 @@ def attach_replicated(module: Any, state: Any, opts: Options, options: dict[str,
             existing = _HANDLES[module] = PendingHandle(
                 module,
                 lambda m: _attach(target.of_replicated(m, state), opts, {}, None, pending=True),
+                _close_process,
             )
     return existing if existing is not None else InertHandle("DDPSCOPE_DISABLE is set")
 
@@ -421,6 +422,11 @@ def _process_for(opts: Options, model: Any) -> RankProcess:
             _PROCESS.finish(reason="close")  # release its global hooks first
         _PROCESS = RankProcess(opts, model)
     return _PROCESS
+
+
+def _close_process() -> None:
+    if _PROCESS is not None:
+        _PROCESS.finish(reason="close")
 
 
 def current_handles() -> list[Handle]:

@@ -46,14 +46,21 @@ class InertHandle:
 class PendingHandle:
     """A handle whose model is attached at its first forward; then it answers as that one.
 
-    ``attach_now(module)`` makes the live handle (or an :class:`InertHandle`).
-    Until the first forward: no step taken, nothing recorded.
+    ``attach_now(module)`` makes the live handle (or an :class:`InertHandle`);
+    ``close_process()`` stops the rank's publishing, as a live handle's ``close``
+    does. Until the first forward: no step taken.
     """
 
-    def __init__(self, module: Any, attach_now: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        module: Any,
+        attach_now: Callable[[Any], Any],
+        close_process: Callable[[], None],
+    ) -> None:
         self._real: Any = None
         self._closed = False
         self._attach_now = attach_now
+        self._close_process = close_process
         hook = _ModuleHook(self._first_forward, self._failed)
         self._hook = module.register_forward_pre_hook(hook, with_kwargs=True)
 
@@ -102,6 +109,7 @@ class PendingHandle:
         else:
             self._closed = True
             self._hook.remove()
+            self._close_process()
 
 
 __all__ = ["InertHandle", "PendingHandle"]

@@ -121,7 +121,10 @@ def test_accumulation_through_requires_gradient_sync_is_one_step(fresh_process: 
 def test_a_pending_handle_closed_before_the_first_forward_attaches_nothing() -> None:
     model = _replicated()
     handle = ddpscope.attach(model)
+    publisher = attach_mod._PROCESS.publisher  # type: ignore[union-attr]
+    assert publisher._alive
     handle.close()
+    assert not publisher._alive  # the rank stops publishing, as a live handle's close does
     _train(model, 2)
     assert handle.live is None and not handle.enabled
     assert attach_mod.current_handles() == []
