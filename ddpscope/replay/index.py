@@ -34,6 +34,7 @@ from typing import Any
 
 from ddpscope import __version__ as VERSION
 from ddpscope.analysis.build import build_analysis, end_of_stream
+from ddpscope.analysis.digest import analysis_digest
 from ddpscope.analysis.monitor import MAX_HISTORY, finding_views
 from ddpscope.analysis.protocol import Detector, recorded
 from ddpscope.analysis.snapshot import FindingView
@@ -164,7 +165,12 @@ class RecordingIndex:
         ``detectors`` of the caller's: the file holds the default detectors' findings)."""
         self.run = run
         self.follow = follow
-        self._cache_key = {"hang_after_s": hang_after_s, "tick_ns": TICK_NS, "ddpscope": VERSION}
+        self._cache_key = {
+            "hang_after_s": hang_after_s,
+            "tick_ns": TICK_NS,
+            "ddpscope": VERSION,
+            "analysis": analysis_digest(),
+        }
         self._use_cache = cache and detectors is None
         #: The pass came from the index file.
         self.cached = False

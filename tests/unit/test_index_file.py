@@ -16,14 +16,20 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.analysis import digest
+from ddpscope.analysis.digest import analysis_digest
 from ddpscope.record import index as index_file
 from ddpscope.record.reader import find_runs
+from ddpscope.replay import index as replay_index
 from ddpscope.replay.index import RecordingIndex
 from ddpscope.schema import End, Message
 from tests.support.synth import MS, Phases, healthy, lockstep, run_infos, straggler
 from tests.unit.test_report import write_run
 
 BASE = Phases(data=8 * MS, forward=22 * MS, backward=45 * MS, optimizer=7 * MS, other=3 * MS)
+
+
+ROOT_BEFORE = digest._ROOT
 
 
 def recording(directory: Path, steps: int = 200) -> Path:
@@ -119,6 +125,37 @@ def test_an_index_of_other_settings_is_not_used(tmp_path: Path) -> None:
     run = recording(tmp_path)
     indexed(run)
     assert not indexed(run, hang_after_s=3.0).cached  # findings depend on the hang limit
+
+
+def test_an_index_made_by_other_analysis_code_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same version string, another detector: its findings must not be shown.
+    run = recording(tmp_path)
+    indexed(run)
+    monkeypatch.setattr(replay_index, "analysis_digest", lambda: "0123456789abcdef")
+    again = indexed(run)
+    assert not again.cached and again.problems == []
+    assert indexed(run).cached
+
+
+def test_the_analysis_digest_follows_the_analysis_sources(tmp_path: Path) -> None:
+    assert len(analysis_digest()) == 16 and analysis_digest() == analysis_digest()
+    digest.analysis_digest.cache_clear()
+    try:
+        ours = analysis_digest()
+        digest._ROOT = str(tmp_path)  # type: ignore[attr-defined]
+        (tmp_path / "analysis").mkdir()
+        for name in ("schema.py", "schema_codec.py", "analysis/straggler.py"):
+            (tmp_path / name).write_text("x = 1\n")
+        digest.analysis_digest.cache_clear()
+        other = analysis_digest()
+        (tmp_path / "analysis" / "straggler.py").write_text("x = 2\n")
+        digest.analysis_digest.cache_clear()
+        assert len({ours, other, analysis_digest()}) == 3
+    finally:
+        digest._ROOT = ROOT_BEFORE  # type: ignore[attr-defined]
+        digest.analysis_digest.cache_clear()
 
 
 def test_where_the_run_directory_cannot_take_it_the_user_cache_does(
