@@ -75,6 +75,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--bypass-ddp", action="store_true", help="train through model.module (no all-reduce)"
     )
+    p.add_argument(
+        "--manual-grad-allreduce",
+        choices=["none", "per-param", "flat"],
+        default="none",
+        help="also all-reduce the gradients by hand after backward, as without DDP",
+    )
     p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
     p.add_argument(
@@ -327,6 +333,8 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             if not sync:
                 continue
             micro = 0
+            if args.manual_grad_allreduce != "none":
+                _average_gradients(model, args.manual_grad_allreduce == "flat")
             _inject(args, rank, step, model)
             if args.skip_every and step % args.skip_every == args.skip_every - 1:
                 opt.zero_grad()  # what GradScaler does on an inf step: no optimizer.step()
@@ -369,6 +377,22 @@ def _epoch_end(  # type: ignore[no-untyped-def]
     if args.checkpoint and (rank == 0 or args.save_all_ranks):
         state = model.state_dict() if args.save_ddp_state else _layers(model).state_dict()
         torch.save({"epoch": epoch, "model": state}, args.checkpoint)
+
+
+def _average_gradients(model: nn.Module, flat: bool) -> None:
+    """The averaging a script written for plain torch.distributed does after backward:
+    on top of DDP's own it is the same result at twice the gradient traffic."""
+    world = dist.get_world_size()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if flat:
+        buf = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(buf)
+        for g, part in zip(grads, buf.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g) / world)
+        return
+    for g in grads:
+        dist.all_reduce(g)
+        g /= world
 
 
 def _layers(model: nn.Module) -> nn.Module:

@@ -30,6 +30,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.dataparallel import DataParallelDetector
     from ddpscope.analysis.detectors.recipe.device import DeviceDetector
     from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
+    from ddpscope.analysis.detectors.recipe.manual_allreduce import ManualAllReduceDetector
     from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
     from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
@@ -60,6 +61,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         DeviceDetector(mode),
         AccumulationDetector(mode),
         BypassDetector(mode),
+        ManualAllReduceDetector(mode),
     ]
 
 

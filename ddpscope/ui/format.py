@@ -22,6 +22,7 @@ BADGES = {
     "device_mismatch": "device",
     "accumulate_without_no_sync": "accumulate",
     "forward_bypasses_ddp": "bypass DDP",
+    "gradients_reduced_twice": "grads x2",
 }
 #: The status column's width, in the ranks and the hosts views.
 BADGE_W = 10

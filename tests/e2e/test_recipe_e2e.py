@@ -33,6 +33,7 @@ RECIPE_KINDS = {
     "device_mismatch",
     "accumulate_without_no_sync",
     "forward_bypasses_ddp",
+    "gradients_reduced_twice",
 }
 
 
@@ -200,6 +201,20 @@ def test_training_through_model_module_is_named_as_the_desyncs_cause(
     (d,) = of_kind(doc, "desync")
     assert d["cause"]["kind"] == "forward_bypasses_ddp" and d["severity"] == "info"
     assert [f["kind"] for f in serious(doc)] == ["forward_bypasses_ddp"], show(serious(doc))
+
+
+@pytest.mark.parametrize("how", ["per-param", "flat"])
+def test_gradients_averaged_by_hand_on_top_of_ddp_are_named(
+    tmp_path: Path, endpoint: str, how: str
+) -> None:
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--epochs", "4", "--manual-grad-allreduce", how, "--loss-allreduce")
+    doc = report_of(rec)
+    assert [f["kind"] for f in serious(doc)] == ["gradients_reduced_twice"], show(serious(doc))
+    (f,) = of_kind(doc, "gradients_reduced_twice")
+    assert f["ranks"] == [0, 1] and f["evidence"]["one_call_per_parameter"] is (how != "flat")
+    assert f["evidence"]["site"].endswith("in _average_gradients")
+    assert f["evidence"]["steps"] == f["evidence"]["steps_judged"]
 
 
 def test_a_large_per_rank_batch_through_batchnorm_is_healthy(tmp_path: Path, endpoint: str) -> None:
