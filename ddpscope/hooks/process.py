@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,9 +26,6 @@ from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.samplers import SamplerProbe
 from ddpscope.hooks.signalwake import SignalWake, die_by
 from ddpscope.schema import SCHEMA_VERSION
-
-if TYPE_CHECKING:
-    from ddpscope.hooks.attach import Handle
 
 #: Signals that end a rank with an end message (reason "signal") on the way out.
 _END_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n))
@@ -56,7 +53,9 @@ class RankProcess:
         }
         host = HostProbe(device_memory_for(runinfo.device_of(model)))
         self.publisher = Publisher(opts, self.run_id, self.rank, header, host)
-        self.handles: list[Handle] = []
+        #: The attached models' ``ddpscope.hooks.attach.Handle``s (not imported: attach
+        #: imports this module).
+        self.handles: list[Any] = []
         self._finished = False
         self._finishing = False
         self._sigterm_pending = 0
