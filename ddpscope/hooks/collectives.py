@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpscope.hooks import compiled, pid, recipe
-from ddpscope.hooks.recipe import group_arg, site_of, user_frame
+from ddpscope.hooks.recipe import AVERAGING, group_arg, site_of, user_frame
 
 log = logging.getLogger("ddpscope")
 
@@ -125,6 +125,10 @@ class CollectiveTimer:
             log.warning("ddpscope collective timing disabled after an internal error: %r", exc)
 
     def _site(self, frame: FrameType | None) -> str:
+        if frame is not None and AVERAGING in frame.f_code.co_filename:
+            # torch's model averaging, named at its own site as the recipe counts it:
+            # its all-reduce of the parameters is not the script's.
+            return site_of(frame)
         frame = user_frame(frame)
         if frame is None:
             return ""

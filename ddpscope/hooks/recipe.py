@@ -89,7 +89,7 @@ _INTERNAL_PREFIXES = (
 )
 _internal_files: dict[str, bool] = {}
 #: torch's model averaging (PeriodicModelAverager, post-local SGD's partner).
-_AVERAGING = os.path.join("torch", "distributed", "algorithms", "model_averaging") + os.sep
+AVERAGING = os.path.join("torch", "distributed", "algorithms", "model_averaging") + os.sep
 
 
 def _is_internal(filename: str) -> bool:
@@ -470,7 +470,7 @@ class RecipeProbe:
             return
         try:
             code = frame.f_code
-            if _is_internal(code.co_filename) and _AVERAGING not in code.co_filename:
+            if _is_internal(code.co_filename) and AVERAGING not in code.co_filename:
                 # torch calling its own collectives (Join, object collectives). Model
                 # averaging's are counted at its own site: the analysis needs to know
                 # that replicas are averaged now and then instead of kept equal.
@@ -745,6 +745,7 @@ def patched() -> bool:
 
 
 __all__ = [
+    "AVERAGING",
     "COLLECTIVE_OPS",
     "DDP_BUFFERS",
     "CudaInventory",

@@ -124,6 +124,23 @@ def test_script_collectives_are_user_waits_with_their_call_site(fresh_rank: Path
         assert s.c_group == ["", "", "", ""]
 
 
+def test_torchs_model_averaging_is_booked_at_its_own_site_not_the_scripts(
+    fresh_rank: Path,
+) -> None:
+    # Its all-reduce of the parameters is torch's: the analysis must not take it for
+    # the script averaging gradients by hand (gradients_reduced_twice).
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+    model = _bn_model()
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
+    averager = PeriodicModelAverager(period=2, warmup_steps=0)
+    _train(model, 3, after_backward=lambda _: averager.average_parameters(model.parameters()))
+    steps = _steps(handle, fresh_rank)
+    sites = [site for s in steps for op, site in zip(s.c_op, s.c_site, strict=True)
+             if op == "all_reduce"]  # fmt: skip
+    assert sites and all("/torch/distributed/algorithms/model_averaging/" in x for x in sites)
+
+
 def test_an_async_collective_is_timed_when_its_work_is_waited_on(fresh_rank: Path) -> None:
     model = _bn_model()
     handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))

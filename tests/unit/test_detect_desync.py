@@ -214,6 +214,18 @@ def _averaging(rank: int, site: str) -> Collectives:
 AVERAGER = "/venv/torch/distributed/algorithms/model_averaging/utils.py:44 in average_parameters"
 
 
+def test_an_averager_seen_after_the_desync_was_raised_brings_it_down_to_info() -> None:
+    # The collective counts come at snapshot steps: a fingerprint can be compared first.
+    early = [*fps(2, 0), *fps(2, 4, r1=(changed(P, 0, 1), B))]
+    late = [_averaging(0, AVERAGER), _averaging(1, AVERAGER), *fps(2, 8, r1=(changed(P, 0), B))]
+    analysis = analyse(early)
+    (f,) = findings(analysis)
+    assert f.severity == "error"
+    feed(analysis, [replace(m, t=m.t + 10**9) for m in late])
+    (f,) = findings(analysis)
+    assert f.severity == "info" and f.evidence["model_averaging"] is True
+
+
 def test_replicas_apart_between_model_averages_are_info_and_said_to_be_local_sgd() -> None:
     # Post-local SGD: subgroups train apart and the model is averaged every few steps.
     apart = [*fps(2, 0), *fps(2, 4, r1=(changed(P, 0, 1), B))]
