@@ -322,7 +322,7 @@ def straggler_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
 def bypass_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
     d = book.get("desync", "params")
     b = book.get("forward_bypasses_ddp", "model:0")
-    if d is None or b is None or b.step > d.step:
+    if d is None or b is None or b.step > d.step or b.evidence.get("averaged_by_hand"):
         return {}
     return {
         (d.kind, d.key): Want(

@@ -203,6 +203,20 @@ def test_training_through_model_module_is_named_as_the_desyncs_cause(
     assert [f["kind"] for f in serious(doc)] == ["forward_bypasses_ddp"], show(serious(doc))
 
 
+def test_bypassing_ddp_while_averaging_by_hand_is_info_and_no_desync(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # Plain torch.distributed training inside a DDP wrapper it never calls: correct.
+    rec = tmp_path / "rec"
+    flags = ["--epochs", "4", "--bypass-ddp", "--manual-grad-allreduce", "per-param"]
+    run_job(rec, endpoint, *flags, DDPSCOPE_CHECKSUM_EVERY="1")
+    doc = report_of(rec)
+    assert serious(doc) == [], show(serious(doc))
+    (b,) = of_kind(doc, "forward_bypasses_ddp")
+    assert b["severity"] == "info" and b["evidence"]["averaged_by_hand"] is True
+    assert of_kind(doc, "desync") == [] and of_kind(doc, "gradients_reduced_twice") == []
+
+
 @pytest.mark.parametrize("how", ["per-param", "flat"])
 def test_gradients_averaged_by_hand_on_top_of_ddp_are_named(
     tmp_path: Path, endpoint: str, how: str

@@ -73,6 +73,32 @@ def test_a_healthy_stream_and_one_bypassed_first_step_are_quiet() -> None:
     assert findings(judged(stream(4, 40, lambda r, s: s == 0)), KIND) == []
 
 
+def test_a_loop_that_bypasses_ddp_but_averages_by_hand_is_info() -> None:
+    # Plain torch.distributed training inside a DDP wrapper it never calls: correct.
+    sizes = [256 * 64 * 4, 256 * 4, 10 * 256 * 4, 10 * 4]
+    site = "/job/train.py:88 in average_gradients"
+    msgs = [
+        dataclasses.replace(
+            m,
+            c_op=["all_reduce"] * 4,
+            c_class=["user"] * 4,
+            c_group=["all"] * 4,
+            c_nbytes=sizes,
+            c_offset_ns=[MS] * 4,
+            c_dur_ns=[MS] * 4,
+            c_site=[site] * 4,
+        )
+        if isinstance(m, Step)
+        else m
+        for m in stream(2, 12, lambda r, s: True)
+    ]
+    (f,) = findings(judged(msgs), KIND)
+    assert f.severity == "info" and f.evidence["averaged_by_hand"] is True
+    assert f.evidence["averaged_by_hand_steps"] == {"0": 12, "1": 12}
+    assert "average the gradients by hand" in f.message and "stay equal" in f.message
+    assert "drop the DistributedDataParallel wrapper" in f.fix
+
+
 def test_it_is_the_cause_of_the_desync_that_follows() -> None:
     msgs = stream(2, 12, lambda r, s: True)
     msgs += [fingerprint(r, 10, P if r == 0 else [p + 1 for p in P], []) for r in range(2)]

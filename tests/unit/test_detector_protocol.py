@@ -209,6 +209,8 @@ HELPERS = {
     "sampling/overlap.py",
     "recipe/common.py",
     "recipe/setup.py",
+    # The gradients' sizes, for gradients_reduced_twice and forward_bypasses_ddp.
+    "recipe/grads.py",
     # The straggler detector's: the CPU-contention rule and its findings' figures.
     "contention.py",
     "slow_evidence.py",

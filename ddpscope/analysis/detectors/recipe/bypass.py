@@ -13,6 +13,11 @@ DDP model (or a module under ``replicate()``) since the step began. A rank is
 named once ``MIN_STEPS`` of its steps are; a single such step is what a model
 attached between a forward and its backward looks like, so it says nothing.
 
+A loop that skips DDP's forward but averages the gradients itself (the
+all-reduces of grads.py, in at least half of those steps) trains correctly:
+the replicas stay equal through the script's own average and the wrapper
+does nothing. That is said as info, not as an error.
+
 No torch here.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddpscope.analysis.detectors.recipe.common import MAX_LISTED
+from ddpscope.analysis.detectors.recipe.grads import Gradients, by_hand, gradients_of
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
@@ -31,6 +37,11 @@ KIND = "forward_bypasses_ddp"
 #: Bypassed steps a rank must have before it is named.
 MIN_STEPS = 4
 
+_FIX_AVERAGED = (
+    "Either call the DDP model (out = ddp_model(x)) and remove the hand-written gradient "
+    "averaging, so that DDP all-reduces the buckets while backward still runs, or drop the "
+    "DistributedDataParallel wrapper: as the loop is, it only broadcast rank 0's weights once."
+)
 _FIX = (
     "Call the DDP model for every training forward: out = ddp_model(x), where ddp_model = "
     "DistributedDataParallel(net); keep ddp_model.module (or net) for saving, loading and "
@@ -45,6 +56,8 @@ class _Tally:
 
     steps: int = 0
     bypassed: int = 0
+    #: Bypassed steps whose gradients the script all-reduced itself.
+    averaged: int = 0
     first_step: int = -1
 
 
@@ -58,9 +71,22 @@ class BypassDetector:
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode
         self._runs: dict[str, dict[tuple[int, int], _Tally]] = {}
+        self._grads: dict[tuple[str, int], Gradients | None] = {}
 
     def reset(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
+        self._grads = {k: v for k, v in self._grads.items() if k[0] != run_id}
+
+    def _gradients(self, run: RunState, rank: int) -> Gradients | None:
+        key = (run.run_id, rank)
+        if key in self._grads:
+            return self._grads[key]
+        view = run.ranks.get(rank)
+        info = view.infos.get(0) if view is not None else None
+        if info is None:
+            return None  # no run info yet: asked again at the next step
+        grads = self._grads[key] = gradients_of(info)
+        return grads
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step) or msg.micro_batches <= 0:
@@ -73,6 +99,10 @@ class BypassDetector:
         tally.steps += 1
         if msg.bypassed:
             tally.bypassed += 1
+            if msg.model == 0 and msg.c_op:  # the script's collectives are booked there
+                grads = self._gradients(run, msg.rank)
+                if grads is not None and by_hand(msg, grads) is not None:
+                    tally.averaged += 1
             if tally.first_step < 0:
                 tally.first_step = msg.step
             if tally.bypassed == MIN_STEPS:
@@ -98,6 +128,34 @@ class BypassDetector:
         which = f"model {model}" if model else "the model"
         one = len(ranks) == 1
         their, train = ("its", "trains") if one else ("their", "train")
+        averaged = sum(t.averaged for t in found.values())
+        evidence = {
+            "model": model,
+            "bypassed_steps": {str(r): found[r].bypassed for r in ranks[:MAX_LISTED]},
+            "steps": {str(r): found[r].steps for r in ranks[:MAX_LISTED]},
+            "averaged_by_hand_steps": {str(r): found[r].averaged for r in ranks[:MAX_LISTED]},
+            "min_steps": MIN_STEPS,
+        }
+        if 2 * averaged >= bypassed:
+            message = (
+                f"{cap(ranks_phrase(ranks))} {train} {which} through the wrapped module and "
+                f"average{'s' if one else ''} the gradients by hand: {bypassed} of {their} "
+                f"{steps} steps ran a backward with no forward through the DDP model, and "
+                f"{averaged} of them all-reduced the gradients in the script. The replicas stay "
+                "equal through that average; the DDP wrapper does nothing but its first "
+                "broadcast of rank 0's weights."
+            )
+            finding = Finding(
+                kind=KIND,
+                severity="info",
+                ranks=ranks,
+                step=min(t.first_step for t in found.values()),
+                message=message,
+                fix=_FIX_AVERAGED,
+                evidence={**evidence, "averaged_by_hand": True},
+            )
+            book.set_severity(book.raise_or_update(f"model:{model}", finding), "info")
+            return
         message = (
             f"{cap(ranks_phrase(ranks))} {train} {which} without DDP: {bypassed} of {their} "
             f"{steps} steps ran a backward with no forward through the DDP model, so DDP never "
@@ -114,11 +172,6 @@ class BypassDetector:
                 step=min(t.first_step for t in found.values()),
                 message=message,
                 fix=_FIX,
-                evidence={
-                    "model": model,
-                    "bypassed_steps": {str(r): found[r].bypassed for r in ranks[:MAX_LISTED]},
-                    "steps": {str(r): found[r].steps for r in ranks[:MAX_LISTED]},
-                    "min_steps": MIN_STEPS,
-                },
+                evidence={**evidence, "averaged_by_hand": False},
             ),
         )

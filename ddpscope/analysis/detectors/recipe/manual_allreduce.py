@@ -29,28 +29,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ddpscope.analysis.detectors.recipe.common import MAX_LISTED, short_site
+from ddpscope.analysis.detectors.recipe.grads import Gradients, by_hand, gradients_of
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import cap, ranks_phrase
-from ddpscope.schema import Message, RunInfo, Step
+from ddpscope.schema import Message, Step
 
 KIND = "gradients_reduced_twice"
 #: Steps a rank must carry its gradients by hand in before it is named.
 MIN_STEPS = 8
-#: One call holding this share of the gradients' bytes is a flat buffer of them.
-FLAT_SHARE = 0.9
-#: Share of the trainable parameters a per-parameter loop must reach (a loop
-#: that skips parameters whose gradient is None misses the unused ones).
-COUNT_SHARE = 0.9
-#: Where torch's own collectives run (comm hooks, model averaging): not the script's.
-TORCH_SITE = "/torch/distributed/"
-
-_DTYPE_BYTES = {
-    "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
-    "double": 8, "complex64": 8, "complex128": 16,
-}  # fmt: skip
-
 _FIX = (
     "Remove the hand-written gradient averaging (an average_gradients() function, a loop of "
     "dist.all_reduce over param.grad, or a flat buffer of them) when the model is wrapped in "
@@ -58,15 +46,6 @@ _FIX = (
     "To accumulate gradients, run the micro-batches but the last under model.no_sync() "
     "instead."
 )
-
-
-@dataclass(slots=True)
-class _Gradients:
-    """What one rank's trainable parameters weigh, from its run info."""
-
-    sizes: Counter[int]
-    count: int
-    total: int
 
 
 @dataclass(slots=True)
@@ -83,50 +62,6 @@ class _Tally:
     sites: Counter[str] = field(default_factory=Counter)
 
 
-def gradients_of(info: RunInfo) -> _Gradients | None:
-    """Bytes of each trainable parameter's gradient (None if a dtype is not known)."""
-    sizes: Counter[int] = Counter()
-    for p in info.params:
-        if len(p) < 4 or not p[3]:
-            continue
-        width = _DTYPE_BYTES.get(str(p[2]))
-        if width is None:
-            return None
-        n = 1
-        for d in p[1]:
-            n *= int(d)
-        sizes[n * width] += 1
-    count = sum(sizes.values())
-    return _Gradients(sizes, count, sum(b * c for b, c in sizes.items())) if count else None
-
-
-def by_hand(s: Step, grads: _Gradients) -> tuple[int, int, int, str] | None:
-    """(calls, bytes, blocked ns, site) of the step's own all-reduces of its gradients.
-
-    Judged call site by call site (the loss all-reduced beside them is another
-    site). Bytes -1: one call per parameter (calls beyond the step's list have
-    no size; they are counted for the site of the last listed call).
-    """
-    by_site: dict[str, list[tuple[int, int]]] = {}
-    for op, cls, nbytes, dur, site in zip(
-        s.c_op, s.c_class, s.c_nbytes, s.c_dur_ns, s.c_site, strict=False
-    ):
-        if op == "all_reduce" and cls == "user" and TORCH_SITE not in site:
-            by_site.setdefault(site, []).append((nbytes, max(0, dur)))
-    last = s.c_site[-1] if s.c_site else ""
-    for site, calls in by_site.items():
-        blocked = sum(d for _, d in calls)
-        if max(b for b, _ in calls) >= FLAT_SHARE * grads.total:
-            return len(calls), sum(b for b, _ in calls), blocked, site  # a flat buffer
-        seen = Counter(b for b, _ in calls)
-        if any(seen[b] > grads.sizes.get(b, 0) for b in seen):
-            continue  # a call no parameter's gradient is the size of
-        count = len(calls) + (s.c_more if site == last else 0)
-        if count >= COUNT_SHARE * grads.count:
-            return count, -1, blocked, site  # one call per parameter
-    return None
-
-
 class ManualAllReduceDetector:
     """``gradients_reduced_twice``: the script all-reduces what DDP already did."""
 
@@ -137,7 +72,7 @@ class ManualAllReduceDetector:
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode
         self._runs: dict[str, dict[int, _Tally]] = {}
-        self._grads: dict[tuple[str, int], _Gradients | None] = {}
+        self._grads: dict[tuple[str, int], Gradients | None] = {}
 
     def reset(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
