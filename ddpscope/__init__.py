@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 
 def attach(model: Any, **options: Any) -> Handle | InertHandle | PendingHandle:
-    """Stream this rank's telemetry for ``model`` (a DistributedDataParallel).
+    """Stream this rank's telemetry for ``model`` (a DistributedDataParallel, or a
+    module under ``torch.distributed._composable.replicate``: attached at its first
+    forward, when its DDP exists; docs/integrations.md).
 
     Options (keyword arguments) override DDPSCOPE_* environment variables;
     see docs/configuration.md. Returns a handle; calling twice on the same
