@@ -8,7 +8,6 @@ exists, and times every step from the first, with the module's own names.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,7 @@ from ddpscope.hooks.target import replicate_state, replicated_ddp
 from ddpscope.record import open_run
 from ddpscope.schema import DDP_API_REPLICATE, RunInfo, Step
 
-pytestmark = pytest.mark.usefixtures("world_of_one")
-
-
-@pytest.fixture(autouse=True)
-def fresh_process(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
-    for var in ("DDPSCOPE_RECORD", "DDPSCOPE_DISABLE", "DDPSCOPE_ENDPOINT"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("DDPSCOPE_ENDPOINT", f"ipc://{tmp_path}/s")
-    yield tmp_path
-    attach_mod._reset_for_tests()
+pytestmark = pytest.mark.usefixtures("world_of_one", "fresh_rank")
 
 
 def _replicated(batchnorm: bool = False) -> nn.Module:
@@ -61,11 +51,11 @@ def _recorded(rec: Path) -> tuple[list[RunInfo], list[Step]]:
 
 
 def test_attach_before_the_first_forward_leaves_the_ddp_to_that_forward(
-    fresh_process: Path,
+    fresh_rank: Path,
 ) -> None:
     # Building it is a broadcast of rank 0's weights: attach must not move it.
     model = _replicated()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     state = replicate_state(model)
     assert isinstance(handle, PendingHandle) and replicated_ddp(state) is None
     assert handle.enabled and handle.step == 0
@@ -74,18 +64,18 @@ def test_attach_before_the_first_forward_leaves_the_ddp_to_that_forward(
     assert replicated_ddp(state) is not None
     assert handle.live is not None and handle.step == 5
     handle.close()
-    _, steps = _recorded(fresh_process / "rec")
+    _, steps = _recorded(fresh_rank / "rec")
     assert [s.step for s in steps] == [0, 1, 2, 3, 4]
     # The first step's forward too: the probe came in during that forward's pre-hooks.
     assert all(s.forward_ns > 0 and s.backward_ns > 0 for s in steps)
 
 
-def test_a_replicated_module_is_described_by_its_own_names(fresh_process: Path) -> None:
+def test_a_replicated_module_is_described_by_its_own_names(fresh_rank: Path) -> None:
     model = _replicated(batchnorm=True)
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     _train(model, 2)
     handle.close()
-    infos, _ = _recorded(fresh_process / "rec")
+    infos, _ = _recorded(fresh_rank / "rec")
     info = infos[0]
     assert [p[0] for p in info.params] == [
         "0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias"
@@ -97,24 +87,24 @@ def test_a_replicated_module_is_described_by_its_own_names(fresh_process: Path) 
     assert info.ddp["api"] == DDP_API_REPLICATE and info.ddp["broadcast_buffers"] is False
 
 
-def test_attach_after_the_first_forward_is_live_at_once(fresh_process: Path) -> None:
+def test_attach_after_the_first_forward_is_live_at_once(fresh_rank: Path) -> None:
     model = _replicated()
     _train(model, 1)
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     assert not isinstance(handle, PendingHandle) and handle.enabled
     _train(model, 3)
     assert handle.step == 3
     handle.close()
-    _, steps = _recorded(fresh_process / "rec")
+    _, steps = _recorded(fresh_rank / "rec")
     assert len(steps) == 3 and all(s.forward_ns > 0 for s in steps)
 
 
-def test_accumulation_through_requires_gradient_sync_is_one_step(fresh_process: Path) -> None:
+def test_accumulation_through_requires_gradient_sync_is_one_step(fresh_rank: Path) -> None:
     model = _replicated()
-    handle = ddpscope.attach(model, record=str(fresh_process / "rec"))
+    handle = ddpscope.attach(model, record=str(fresh_rank / "rec"))
     _train(model, 3, micro=2)
     handle.close()
-    _, steps = _recorded(fresh_process / "rec")
+    _, steps = _recorded(fresh_rank / "rec")
     assert [(s.micro_batches, s.optimizer_steps) for s in steps] == [(2, 1)] * 3
 
 

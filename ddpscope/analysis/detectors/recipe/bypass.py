@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ddpscope.analysis.detectors.recipe.common import MAX_LISTED
-from ddpscope.analysis.detectors.recipe.grads import Gradients, by_hand, gradients_of
+from ddpscope.analysis.detectors.recipe.grads import GradientsByRank, by_hand
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
@@ -71,22 +71,11 @@ class BypassDetector:
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode
         self._runs: dict[str, dict[tuple[int, int], _Tally]] = {}
-        self._grads: dict[tuple[str, int], Gradients | None] = {}
+        self._grads = GradientsByRank()
 
     def reset(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
-        self._grads = {k: v for k, v in self._grads.items() if k[0] != run_id}
-
-    def _gradients(self, run: RunState, rank: int) -> Gradients | None:
-        key = (run.run_id, rank)
-        if key in self._grads:
-            return self._grads[key]
-        view = run.ranks.get(rank)
-        info = view.infos.get(0) if view is not None else None
-        if info is None:
-            return None  # no run info yet: asked again at the next step
-        grads = self._grads[key] = gradients_of(info)
-        return grads
+        self._grads.reset(run_id)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step) or msg.micro_batches <= 0:
@@ -100,7 +89,7 @@ class BypassDetector:
         if msg.bypassed:
             tally.bypassed += 1
             if msg.model == 0 and msg.c_op:  # the script's collectives are booked there
-                grads = self._gradients(run, msg.rank)
+                grads = self._grads.of(run, msg.rank)
                 if grads is not None and by_hand(msg, grads) is not None:
                     tally.averaged += 1
             if tally.first_step < 0:
@@ -136,7 +125,9 @@ class BypassDetector:
             "averaged_by_hand_steps": {str(r): found[r].averaged for r in ranks[:MAX_LISTED]},
             "min_steps": MIN_STEPS,
         }
-        if 2 * averaged >= bypassed:
+        by_hand_too = 2 * averaged >= bypassed
+        if by_hand_too:
+            severity, fix = "info", _FIX_AVERAGED
             message = (
                 f"{cap(ranks_phrase(ranks))} {train} {which} through the wrapped module and "
                 f"average{'s' if one else ''} the gradients by hand: {bypassed} of {their} "
@@ -145,33 +136,27 @@ class BypassDetector:
                 "equal through that average; the DDP wrapper does nothing but its first "
                 "broadcast of rank 0's weights."
             )
-            finding = Finding(
-                kind=KIND,
-                severity="info",
-                ranks=ranks,
-                step=min(t.first_step for t in found.values()),
-                message=message,
-                fix=_FIX_AVERAGED,
-                evidence={**evidence, "averaged_by_hand": True},
+        else:
+            severity, fix = "error", _FIX
+            message = (
+                f"{cap(ranks_phrase(ranks))} {train} {which} without DDP: {bypassed} of {their} "
+                f"{steps} steps ran a backward with no forward through the DDP model, so DDP "
+                "never all-reduced their gradients and each rank updates its own replica. The "
+                "loop calls the wrapped module itself (model.module(x), the module kept from "
+                "before wrapping, or a compiled copy of it) instead of the DDP model."
             )
-            book.set_severity(book.raise_or_update(f"model:{model}", finding), "info")
-            return
-        message = (
-            f"{cap(ranks_phrase(ranks))} {train} {which} without DDP: {bypassed} of {their} "
-            f"{steps} steps ran a backward with no forward through the DDP model, so DDP never "
-            "all-reduced their gradients and each rank updates its own replica. The loop "
-            "calls the wrapped module itself (model.module(x), the module kept from before "
-            "wrapping, or a compiled copy of it) instead of the DDP model."
-        )
-        book.raise_or_update(
+        finding = book.raise_or_update(
             f"model:{model}",
             Finding(
                 kind=KIND,
-                severity="error",
+                severity=severity,
                 ranks=ranks,
                 step=min(t.first_step for t in found.values()),
                 message=message,
-                fix=_FIX,
-                evidence={**evidence, "averaged_by_hand": False},
+                fix=fix,
+                evidence={**evidence, "averaged_by_hand": by_hand_too},
             ),
         )
+        if by_hand_too:
+            # Averaged by hand from here on: down from an error raised before it was seen.
+            book.set_severity(finding, "info")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from ddpscope.analysis.state import RunState
 from ddpscope.schema import RunInfo, Step
 
 #: One call holding this share of the gradients' bytes is a flat buffer of them.
@@ -80,4 +81,29 @@ def by_hand(s: Step, grads: Gradients) -> tuple[int, int, int, str] | None:
     return None
 
 
-__all__ = ["COUNT_SHARE", "FLAT_SHARE", "TORCH_SITE", "Gradients", "by_hand", "gradients_of"]
+class GradientsByRank:
+    """Each rank's model-0 gradients, read from its run info once it has come."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int], Gradients | None] = {}
+
+    def reset(self, run_id: str) -> None:
+        self._known = {k: v for k, v in self._known.items() if k[0] != run_id}
+
+    def of(self, run: RunState, rank: int) -> Gradients | None:
+        """None before the rank's run info, or where a dtype is not known."""
+        key = (run.run_id, rank)
+        if key in self._known:
+            return self._known[key]
+        view = run.ranks.get(rank)
+        info = view.infos.get(0) if view is not None else None
+        if info is None:
+            return None  # no run info yet: asked again at the next step
+        grads = self._known[key] = gradients_of(info)
+        return grads
+
+
+__all__ = [
+    "COUNT_SHARE", "FLAT_SHARE", "TORCH_SITE", "Gradients", "GradientsByRank", "by_hand",
+    "gradients_of",
+]  # fmt: skip

@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ddpscope.analysis.detectors.recipe.common import MAX_LISTED, short_site
-from ddpscope.analysis.detectors.recipe.grads import Gradients, by_hand, gradients_of
+from ddpscope.analysis.detectors.recipe.grads import GradientsByRank, by_hand
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
@@ -72,27 +72,20 @@ class ManualAllReduceDetector:
     def __init__(self, mode: Mode = LIVE) -> None:
         self.mode = mode
         self._runs: dict[str, dict[int, _Tally]] = {}
-        self._grads: dict[tuple[str, int], Gradients | None] = {}
+        self._grads = GradientsByRank()
 
     def reset(self, run_id: str) -> None:
         self._runs.pop(run_id, None)
-        self._grads = {k: v for k, v in self._grads.items() if k[0] != run_id}
+        self._grads.reset(run_id)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step) or msg.model != 0 or not msg.c_op:
             return
         if msg.micro_batches <= 0 or msg.unsynced or msg.bypassed:
             return
-        key = (run.run_id, msg.rank)
-        grads = self._grads.get(key)
+        grads = self._grads.of(run, msg.rank)
         if grads is None:
-            view = run.ranks.get(msg.rank)
-            info = view.infos.get(0) if view is not None else None
-            if info is None:
-                return  # no run info yet: judged from the next step on
-            grads = self._grads[key] = gradients_of(info)
-            if grads is None:
-                return
+            return  # no run info yet (judged from a later step on), or a dtype not known
         tally = self._runs.setdefault(run.run_id, {}).setdefault(msg.rank, _Tally())
         tally.judged += 1
         tally.step_ns += max(0, msg.t_end - msg.t_start)
@@ -140,7 +133,7 @@ class ManualAllReduceDetector:
         for t in found.values():
             sites.update(t.sites)
         site = sites.most_common(1)[0][0]
-        grads = self._grads.get((run.run_id, ranks[0]))
+        grads = self._grads.of(run, ranks[0])
         total_mb = grads.total / 1e6 if grads is not None else 0.0
         params = grads.count if grads is not None else 0
         if per_param >= flat:
