@@ -202,7 +202,8 @@ class RankTally:
     def file_message(self, rank: int, msg: Message) -> None:
         """A message as its file (header ``rank``) holds it, accepted or not."""
         if isinstance(msg, Heartbeat) and msg.phase != "exited":
-            self.cpu.add(rank, (msg.cpu_pct,))
+            if msg.cpu_pct >= 0:  # -1: not measured (psutil failed, or too soon)
+                self.cpu.add(rank, (msg.cpu_pct,))
             self.rss[rank] = max(self.rss.get(rank, msg.rss_bytes), msg.rss_bytes)
 
     def fed(self, msg: Message, run: RunState) -> None:

@@ -21,7 +21,7 @@ from ddpscope.analysis import report
 from ddpscope.cli.main import main
 from ddpscope.record import reader
 from ddpscope.record.writer import RecordWriter
-from ddpscope.schema import End, Message, Stacks, Step, encode
+from ddpscope.schema import End, Heartbeat, Message, Stacks, Step, encode
 from tests.support.synth import (
     MS,
     constant,
@@ -492,3 +492,15 @@ def test_allreduce_wait_is_time_beyond_the_fastest_rank() -> None:
     waits = report.allreduce_waits(analysis.latest)
     assert waits[0] > 15 and waits[1] == 0.0  # rank 0 waits for slow rank 1
     assert Phases().total > 0
+
+
+def test_a_cpu_share_not_measured_is_left_out_of_the_rank_median(tmp_path: Path) -> None:
+    msgs = [m for m in healthy(steps=20) if not isinstance(m, Heartbeat)]
+    t = max(m.t for m in msgs)
+    # The heartbeat right after attach carries -1 (no interval measured yet).
+    msgs += [heartbeat(0, 0, 1, run="x", cpu_pct=-1.0), heartbeat(0, 10, t - 2, run="x")]
+    msgs += [heartbeat(0, 15, t - 1, run="x", cpu_pct=70.0)]
+    write_run(tmp_path, msgs)
+    doc = report.build(*report.analyze(str(tmp_path)))
+    (rank0,) = [r for r in doc["ranks"] if r["rank"] == 0]
+    assert rank0["cpu_pct"] == 60.0

@@ -129,10 +129,15 @@ def host(run: RunState, r: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     view = run.ranks.get(r)
     hb = view.heartbeat if view is not None else None
-    if hb is not None:
+    # A CPU share below 0 was not measured (psutil failed, or the rank just started).
+    if hb is not None and hb.cpu_pct >= 0:
         out["cpu_pct"] = round(hb.cpu_pct, 1)
         out["rss_bytes"] = hb.rss_bytes
-    others = [v.heartbeat for q, v in run.ranks.items() if q != r and v.heartbeat is not None]
+    others = [
+        v.heartbeat
+        for q, v in run.ranks.items()
+        if q != r and v.heartbeat is not None and v.heartbeat.cpu_pct >= 0
+    ]
     if others:
         out["others_cpu_pct"] = round(median(h.cpu_pct for h in others), 1)
         out["others_rss_bytes"] = int(median(h.rss_bytes for h in others))
