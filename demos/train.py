@@ -77,9 +77,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--manual-grad-allreduce",
-        choices=["none", "per-param", "flat"],
+        choices=["none", "per-param", "flat", "buckets"],
         default="none",
-        help="also all-reduce the gradients by hand after backward, as without DDP",
+        help="also all-reduce the gradients by hand after backward, as without DDP "
+        "(one call per parameter, one flat buffer, or buffers of about a third each)",
     )
     p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
@@ -334,7 +335,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 continue
             micro = 0
             if args.manual_grad_allreduce != "none":
-                _average_gradients(model, args.manual_grad_allreduce == "flat")
+                _average_gradients(model, args.manual_grad_allreduce)
             _inject(args, rank, step, model)
             if args.skip_every and step % args.skip_every == args.skip_every - 1:
                 opt.zero_grad()  # what GradScaler does on an inf step: no optimizer.step()
@@ -379,20 +380,28 @@ def _epoch_end(  # type: ignore[no-untyped-def]
         torch.save({"epoch": epoch, "model": state}, args.checkpoint)
 
 
-def _average_gradients(model: nn.Module, flat: bool) -> None:
+def _average_gradients(model: nn.Module, how: str) -> None:
     """The averaging a script written for plain torch.distributed does after backward:
     on top of DDP's own it is the same result at twice the gradient traffic."""
     world = dist.get_world_size()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if flat:
-        buf = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(buf)
-        for g, part in zip(grads, buf.split([g.numel() for g in grads]), strict=True):
-            g.copy_(part.view_as(g) / world)
+    if how == "per-param":
+        for g in grads:
+            dist.all_reduce(g)
+            g /= world
         return
-    for g in grads:
-        dist.all_reduce(g)
-        g /= world
+    groups = [grads]
+    if how == "buckets":  # consecutive gradients packed up to a third of the total each
+        cap, groups = -(-sum(g.numel() for g in grads) // 3), [[]]
+        for g in grads:
+            if groups[-1] and sum(x.numel() for x in groups[-1]) + g.numel() > cap:
+                groups.append([])
+            groups[-1].append(g)
+    for group in groups:
+        buf = torch.cat([g.reshape(-1) for g in group])
+        dist.all_reduce(buf)
+        for g, part in zip(group, buf.split([g.numel() for g in group]), strict=True):
+            g.copy_(part.view_as(g) / world)
 
 
 def _layers(model: nn.Module) -> nn.Module:

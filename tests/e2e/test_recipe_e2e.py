@@ -217,7 +217,7 @@ def test_bypassing_ddp_while_averaging_by_hand_is_info_and_no_desync(
     assert of_kind(doc, "desync") == [] and of_kind(doc, "gradients_reduced_twice") == []
 
 
-@pytest.mark.parametrize("how", ["per-param", "flat"])
+@pytest.mark.parametrize("how", ["per-param", "flat", "buckets"])
 def test_gradients_averaged_by_hand_on_top_of_ddp_are_named(
     tmp_path: Path, endpoint: str, how: str
 ) -> None:
@@ -226,7 +226,9 @@ def test_gradients_averaged_by_hand_on_top_of_ddp_are_named(
     doc = report_of(rec)
     assert [f["kind"] for f in serious(doc)] == ["gradients_reduced_twice"], show(serious(doc))
     (f,) = of_kind(doc, "gradients_reduced_twice")
-    assert f["ranks"] == [0, 1] and f["evidence"]["one_call_per_parameter"] is (how != "flat")
+    by_param = how == "per-param"
+    assert f["ranks"] == [0, 1] and f["evidence"]["one_call_per_parameter"] is by_param
+    assert f["evidence"]["calls_per_step"] == {"flat": 1, "buckets": 4}.get(how, 6 * 2)
     assert f["evidence"]["site"].endswith("in _average_gradients")
     assert f["evidence"]["steps"] == f["evidence"]["steps_judged"]
 

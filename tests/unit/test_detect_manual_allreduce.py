@@ -110,3 +110,15 @@ def test_an_average_under_no_sync_or_now_and_then_is_quiet() -> None:
     # Named once MIN_STEPS steps did it, not before.
     assert judged(stream(2, MIN_STEPS - 1, per_param)) == []
     assert len(judged(stream(2, MIN_STEPS, per_param))) == 1
+
+
+def test_buffers_the_script_packs_itself_are_named_by_their_bytes() -> None:
+    # Three buffers of its own packing (apex's by-size buckets): no call is a parameter's
+    # size or holds most of the bytes, together they carry all of them.
+    third = sum(SIZES) // 3
+    packed = [third, third, sum(SIZES) - 2 * third]
+    (f,) = judged(stream(2, 20, lambda s: [(b, SITE) for b in packed]))
+    assert f.evidence["one_call_per_parameter"] is False and f.evidence["calls_per_step"] == 3
+    assert "3 all_reduce calls a step" in f.message and "carrying 0.08 MB" in f.message
+    # Half the bytes at one site (a metric the size of a layer, then another): not them.
+    assert judged(stream(2, 20, lambda s: [(third, SITE), (third, SITE)])) == []

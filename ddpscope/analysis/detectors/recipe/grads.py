@@ -58,7 +58,9 @@ def by_hand(s: Step, grads: Gradients) -> tuple[int, int, int, str] | None:
     """(calls, bytes, blocked ns, site) of the step's own all-reduces of its gradients.
 
     Judged call site by call site (the loss all-reduced beside them is another
-    site). Bytes -1: one call per parameter (calls beyond the step's list have
+    site): one flat buffer of them, one call per parameter, or buffers of the
+    script's own packing (the listed calls of the site together carry their
+    bytes). Bytes -1: one call per parameter (calls beyond the step's list have
     no size; they are counted for the site of the last listed call).
     """
     by_site: dict[str, list[tuple[int, int]]] = {}
@@ -70,14 +72,18 @@ def by_hand(s: Step, grads: Gradients) -> tuple[int, int, int, str] | None:
     last = s.c_site[-1] if s.c_site else ""
     for site, calls in by_site.items():
         blocked = sum(d for _, d in calls)
+        carried = sum(b for b, _ in calls)
         if max(b for b, _ in calls) >= FLAT_SHARE * grads.total:
-            return len(calls), sum(b for b, _ in calls), blocked, site  # a flat buffer
+            return len(calls), carried, blocked, site  # a flat buffer
         seen = Counter(b for b, _ in calls)
-        if any(seen[b] > grads.sizes.get(b, 0) for b in seen):
-            continue  # a call no parameter's gradient is the size of
-        count = len(calls) + (s.c_more if site == last else 0)
-        if count >= COUNT_SHARE * grads.count:
-            return count, -1, blocked, site  # one call per parameter
+        # Every call the size of a parameter's gradient, as many as there are parameters.
+        if all(seen[b] <= grads.sizes.get(b, 0) for b in seen):
+            count = len(calls) + (s.c_more if site == last else 0)
+            if count >= COUNT_SHARE * grads.count:
+                return count, -1, blocked, site  # one call per parameter
+        if carried >= FLAT_SHARE * grads.total:
+            # Buffers the script packs itself (by size or by dtype, as apex did).
+            return len(calls), carried, blocked, site
     return None
 
 

@@ -14,8 +14,9 @@ call site. A step carries the model's gradients by hand when the script's own
 ``all_reduce`` calls (not torch's: comm hooks and model averaging live under
 ``torch/distributed/``) are, by size, the trainable parameters one for one
 (the per-parameter loop; with more parameters than are listed, the listed
-calls match parameters and the count reaches theirs), or one call holds at
-least ``FLAT_SHARE`` of all their bytes (a flat buffer). Only steps whose
+calls match parameters and the count reaches theirs), or the site's calls
+together carry at least ``FLAT_SHARE`` of all their bytes (a flat buffer, or
+buffers the script packs itself). Only steps whose
 backward DDP synced are judged (under ``no_sync()`` a hand-written average is
 the only one); a rank is named once ``MIN_STEPS`` of them do it and at least
 half of its judged steps.
