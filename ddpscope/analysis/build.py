@@ -32,6 +32,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
     from ddpscope.analysis.detectors.recipe.manual_allreduce import ManualAllReduceDetector
     from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
+    from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
     from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
     from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
@@ -39,7 +40,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.straggler import StragglerDetector
     from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 
-    # The three sampling detectors attribute steps to passes the same way: one ledger.
+    # The sampling detectors attribute steps to passes the same way: one ledger.
     ledgers = PassLedgers()
     return [
         StragglerDetector(mode),
@@ -48,6 +49,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         SetEpochDetector(mode, ledgers),
         ShardingDetector(mode, ledgers),
         UnevenInputsDetector(mode, ledgers),
+        PaddedEvaluationDetector(mode, ledgers),
         HangDetector(mode),
         RankExitDetector(mode),
         TelemetryDetector(mode),

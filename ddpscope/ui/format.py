@@ -23,6 +23,7 @@ BADGES = {
     "accumulate_without_no_sync": "accumulate",
     "forward_bypasses_ddp": "bypass DDP",
     "gradients_reduced_twice": "grads x2",
+    "padded_evaluation": "eval pad",
 }
 #: The status column's width, in the ranks and the hosts views.
 BADGE_W = 10

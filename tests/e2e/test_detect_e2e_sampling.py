@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
 from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
 from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
 from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
@@ -31,12 +32,16 @@ STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
 
 
 def detectors() -> list[Detector]:
-    return [SetEpochDetector(), ShardingDetector(), UnevenInputsDetector()]
+    return [
+        SetEpochDetector(), ShardingDetector(), UnevenInputsDetector(), PaddedEvaluationDetector()
+    ]  # fmt: skip
 
 
-def run_demo(tmp: Path, endpoint: str, *flags: str, epochs: int = 2) -> tuple[Analysis, Recording]:
+def run_demo(
+    tmp: Path, endpoint: str, *flags: str, epochs: int = 2, samples: int = SAMPLES
+) -> tuple[Analysis, Recording]:
     rec = tmp / "rec"
-    args = ["--samples", str(SAMPLES), "--batch", str(BATCH), "--epochs", str(epochs)]
+    args = ["--samples", str(samples), "--batch", str(BATCH), "--epochs", str(epochs)]
     torchrun(
         [str(DEMO), *args, *flags],
         env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
@@ -51,6 +56,12 @@ def loud(analysis: Analysis) -> list[Finding]:
     run = analysis.latest
     assert run is not None
     return [f for f in analysis.book(run).sorted() if severity_at_least(f.severity, "warning")]
+
+
+def every(analysis: Analysis, kind: str) -> list[Finding]:
+    run = analysis.latest
+    assert run is not None
+    return [f for f in analysis.book(run).sorted() if f.kind == kind]
 
 
 def one(analysis: Analysis, kind: str) -> Finding:
@@ -122,6 +133,20 @@ def test_uneven_inputs_under_join(tmp_path: Path, endpoint: str) -> None:
 def test_peeks_and_evaluation_loaders_are_healthy(tmp_path: Path, endpoint: str) -> None:
     analysis, _ = run_demo(tmp_path, endpoint, "--peek", "--eval")
     assert loud(analysis) == []
+    assert every(analysis, "padded_evaluation") == []  # 256 samples: 128 a rank, none twice
+
+
+def test_an_evaluation_distributedsampler_pads_is_info_with_its_duplicates(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # 255 samples on 2 ranks: padded to 256, the last shard holds the repeated index.
+    analysis, _ = run_demo(tmp_path, endpoint, "--peek", "--eval", samples=255)
+    assert loud(analysis) == []
+    (f,) = every(analysis, "padded_evaluation")
+    assert f.severity == "info" and f.ranks == [1]
+    assert f.evidence["duplicates"] == 1 and f.evidence["dataset_len"] == 255
+    # The demo builds its evaluation loader anew each epoch: one finding for both.
+    assert f.evidence["passes"] == 2 and len(f.evidence["loaders"]) == 2
 
 
 def test_disjoint_manual_shards_are_healthy(tmp_path: Path, endpoint: str) -> None:

@@ -1,7 +1,7 @@
 """The pass ledger: which pass of its loader each step of a rank drew from.
 
-Not a detector: what the three sampling detectors (set_epoch, sharding,
-uneven) share.
+Not a detector: what the sampling detectors (set_epoch, sharding, uneven,
+eval_padding) share.
 
 What the ranks send
 -------------------
@@ -16,7 +16,7 @@ Trained passes
 --------------
 Scripts iterate loaders for many reasons besides training: a peek
 (``next(iter(loader))``), an evaluation loop, a statistics pass. The
-:class:`PassLedger`, shared by the three detectors of a run, attributes every
+:class:`PassLedger`, shared by the sampling detectors of a run, attributes every
 step to one pass of its rank: the pass the step names when that is a training
 pass that had begun by then, else the most recently begun training pass still
 current on its loader (Step.loader_pass is "last pass that yielded", which an
@@ -29,7 +29,7 @@ the ledger two comparisons while its pass tag and the rank's current passes are
 unchanged, which is nearly always.
 
 One ledger per run, held by the analysis' :class:`PassLedgers` that
-``build.default_detectors`` hands to all three detectors, so its work is done
+``build.default_detectors`` hands to all of them, so its work is done
 once per message; a detector built alone keeps its own.
 """
 
@@ -299,7 +299,7 @@ R = TypeVar("R")
 
 class LedgerDetector(Generic[R]):
     """What the sampling detectors share: the mode, the analysis' pass ledgers
-    (one per run, shared by all three: build.py), and a state per run made by
+    (one per run, shared by all of them: build.py), and a state per run made by
     ``new_run`` from that run's ledger."""
 
     new_run: Callable[[PassLedger], R]
