@@ -143,7 +143,7 @@ def test_an_evaluation_distributedsampler_pads_is_info_with_its_duplicates(
     analysis, _ = run_demo(tmp_path, endpoint, "--peek", "--eval", samples=255)
     assert loud(analysis) == []
     (f,) = every(analysis, "padded_evaluation")
-    assert f.severity == "info" and f.ranks == [1]
+    assert f.severity == "info" and f.ranks == [] and f.evidence["padded_ranks"] == [1]
     assert f.evidence["duplicates"] == 1 and f.evidence["dataset_len"] == 255
     # The demo builds its evaluation loader anew each epoch: one finding for both.
     assert f.evidence["passes"] == 2 and len(f.evidence["loaders"]) == 2

@@ -34,7 +34,8 @@ def evaluations(world: int, n: int, passes: int = 1, loader: int = 1, **kw: Any)
 
 def test_an_evaluation_of_a_set_that_does_not_divide_is_named_with_its_duplicates() -> None:
     (f,) = judged(evaluations(3, 200))  # 200 = 3 x 66 + 2: padded to 201
-    assert f.severity == "info" and f.ranks == [2]  # the last shard holds the padding
+    assert f.severity == "info" and f.ranks == []  # about the evaluation, not a rank
+    assert f.evidence["padded_ranks"] == [2]  # the last shard holds the padding
     assert f.evidence["duplicates"] == 1 and f.evidence["evaluated"] == 201
     assert "An evaluation over a TensorDataset of 200 samples (loader 1, not" in f.message
     assert "pads it to 201: 1 sample is evaluated twice (on rank 2)." in f.message
@@ -45,7 +46,7 @@ def test_an_evaluation_of_a_set_that_does_not_divide_is_named_with_its_duplicate
 def test_every_pass_of_the_loader_counts_in_one_finding() -> None:
     (f,) = judged(evaluations(4, 1001, passes=3))
     assert f.evidence["passes"] == 3 and f.evidence["duplicates"] == 3
-    assert f.ranks == [1, 2, 3] and "in each of its 3 passes" in f.message
+    assert f.evidence["padded_ranks"] == [1, 2, 3] and "in each of its 3 passes" in f.message
 
 
 def test_a_loader_built_anew_for_each_evaluation_is_one_finding() -> None:
@@ -104,4 +105,4 @@ def test_groups_that_evaluate_the_same_shards_count_once() -> None:
     for r in range(4):
         sim.evaluate(r, 1, dist_plan(101, 2, r // 2, shuffle=False))
     (f,) = judged(sim)
-    assert f.evidence["duplicates"] == 1 and f.ranks == [2, 3]
+    assert f.evidence["duplicates"] == 1 and f.evidence["padded_ranks"] == [2, 3]

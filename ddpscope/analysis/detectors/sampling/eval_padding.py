@@ -39,7 +39,7 @@ from ddpscope.analysis.wording import ranks_phrase
 from ddpscope.schema import Message
 
 KIND = "padded_evaluation"
-#: Loaders listed per dataset (the first; a new loader each epoch adds one each).
+#: Loaders and ranks listed per dataset (the first; a new loader each epoch adds one).
 MAX_LOADERS = 16
 #: Evaluation passes kept per run, awaiting shards or judged (the oldest dropped).
 MAX_OPEN = 64
@@ -194,7 +194,8 @@ class PaddedEvaluationDetector(LedgerDetector[_EvalRun]):
             Finding(
                 kind=KIND,
                 severity="info",
-                ranks=sorted(f.ranks),
+                # About the run's evaluation, not a rank: no rank is marked in the views.
+                ranks=[],
                 step=f.first_step,
                 message=message,
                 fix=_FIX,
@@ -206,6 +207,7 @@ class PaddedEvaluationDetector(LedgerDetector[_EvalRun]):
                     "evaluated": n + dup,
                     "duplicates": dup,
                     "passes": f.passes,
+                    "padded_ranks": sorted(f.ranks)[:MAX_LOADERS],
                 },
             ),
         )
