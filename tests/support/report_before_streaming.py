@@ -162,6 +162,7 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
     steps = list(view.steps)
     info = view.info
     beats = [m for m in messages if isinstance(m, Heartbeat) and m.phase != "exited"]
+    cpu = [b.cpu_pct for b in beats if b.cpu_pct >= 0]
     hb = view.heartbeat
     durations = [s.t_end - s.t_start for s in steps]
     return {
@@ -177,7 +178,8 @@ def rank_summary(view: RankView, messages: Sequence[Any], wait_ms: float | None)
         "split_ms": {key: median_ms([getattr(s, f) for s in steps]) for key, f in SPLIT.items()},
         "allreduce_wait_ms": wait_ms,
         "collectives": collectives(steps),
-        "cpu_pct": round(statistics.median(b.cpu_pct for b in beats), 1) if beats else None,
+        # Since kept apart from streaming: a CPU share of -1 (not measured) is left out.
+        "cpu_pct": round(statistics.median(cpu), 1) if cpu else None,
         "rss_bytes": max((b.rss_bytes for b in beats), default=None),
         "last": _last(hb),
         "end": _end(view.end),
