@@ -74,6 +74,20 @@ def test_lightning_sampler_replacement_and_set_epoch_are_seen_as_lightnings(
     assert_phases_add_up(steps_of(rec))
 
 
+def test_lightning_validation_that_distributedsampler_pads_is_info_and_nothing_else(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # 101 validation samples on 2 ranks: Lightning's DistributedSampler pads them to 102.
+    # Its fetcher stops after the last batch, so each pass ends abandoned, every index drawn.
+    rec = record(tmp_path, endpoint, LIGHTNING, "--val-samples", "101", "--epochs", "2")
+    doc = report(rec)
+    assert serious(doc) == [], brief(serious(doc))
+    (f,) = of_kind(doc, "padded_evaluation")
+    assert f["severity"] == "info" and f["evidence"]["duplicates"] == 1
+    assert f["evidence"]["passes"] == 2 and f["evidence"]["padded_ranks"] == [1]
+    assert {r: len(ss) for r, ss in steps_of(rec).items()} == {0: 16, 1: 16}  # 8 an epoch
+
+
 def test_lightning_launching_its_own_ranks_is_watched_without_torchrun(
     tmp_path: Path, endpoint: str
 ) -> None:

@@ -82,6 +82,18 @@ class Auto(pl.LightningModule):
         )
 
 
+class Validated(Auto):
+    """Validates every epoch, with its accuracy logged over the ranks."""
+
+    def validation_step(self, batch: Any, idx: int) -> None:
+        x, y = batch
+        self.log("val_acc", (self.net(x).argmax(1) == y).float().mean(), sync_dist=True)
+
+    def val_dataloader(self) -> DataLoader:
+        # Lightning shards it with DistributedSampler(shuffle=False), which pads.
+        return DataLoader(dataset(self.args.val_samples), batch_size=self.args.batch)
+
+
 class Manual(Auto):
     """Manual optimization with a loop of its own over a loader the module builds.
 
@@ -131,6 +143,7 @@ def main() -> None:
         "--slow-in", choices=["collate", "callback"], default="collate", help="where it is slow"
     )
     p.add_argument("--inner-set-epoch", action="store_true")
+    p.add_argument("--val-samples", type=int, default=0, help="validate each epoch on N samples")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -156,6 +169,8 @@ def main() -> None:
         num_sanity_val_steps=0,
     )
     model = Manual(args) if args.mode == "manual" else Auto(args)
+    if args.val_samples:
+        model = Validated(args)
     trainer.fit(model)
     trainer.strategy.barrier()
     if trainer.global_rank == 0:
