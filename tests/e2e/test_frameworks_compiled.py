@@ -1,5 +1,6 @@
 """torch.compile jobs watched by ddpscope, 2 ranks on CPU (gloo): the model
-compiled around DDP, inside it, and in place before and after attach(), with
+compiled around DDP, inside it, in place before and after attach(), and a
+module under torch's composable replicate() compiled whole, with
 dynamo's graph-break and frame counters compared to the same job unwatched
 (tests/jobs/compiled_job.py).
 """
@@ -33,6 +34,7 @@ BACKEND = {
     "ddp-compile": "aot_eager",
     "inplace": "aot_eager",
     "inplace-first": "aot_eager",
+    "replicate": "aot_eager",
 }
 
 

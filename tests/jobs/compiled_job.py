@@ -1,4 +1,5 @@
-"""A DDP job whose model is compiled: ``torch.compile(ddp_model)`` or ``DDP(torch.compile(m))``.
+"""A DDP job whose model is compiled: ``torch.compile(ddp_model)``, ``DDP(torch.compile(m))``,
+in place, or ``torch.compile(replicate(m))``.
 
 Prints the median step time of the steps after warm-up, so that a benchmark
 can compare runs with and without ddpscope, and "done:" when every rank is through.
@@ -20,7 +21,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument(
         "--wrap",
-        choices=["compile-ddp", "ddp-compile", "inplace", "inplace-first", "eager"],
+        choices=["compile-ddp", "ddp-compile", "inplace", "inplace-first", "replicate", "eager"],
         default="compile-ddp",
     )
     p.add_argument("--backend", default="inductor")
@@ -39,13 +40,17 @@ def main() -> None:
     # Small buckets: DDPOptimizer then splits the compiled graph at bucket boundaries.
     if args.wrap == "ddp-compile":
         model = DDP(torch.compile(net, backend=args.backend), bucket_cap_mb=1)
+    elif args.wrap == "replicate":  # torch's composable DDP, the module then compiled
+        from torch.distributed._composable import replicate
+
+        model = replicate(net, bucket_cap_mb=1)
     else:
         model = DDP(net, bucket_cap_mb=1)
     if args.attach and args.wrap != "inplace-first":
         import ddpscope
 
         ddpscope.attach(model)
-    if args.wrap == "compile-ddp":
+    if args.wrap in ("compile-ddp", "replicate"):
         model = torch.compile(model, backend=args.backend)
     elif args.wrap in ("inplace", "inplace-first"):
         model.compile(backend=args.backend)
