@@ -251,6 +251,9 @@ class Step(Message):
     #: The step's backward reached the model with no forward through DDP in the
     #: step (the loop called ``model.module``): DDP all-reduced nothing.
     bypassed: bool = False
+    #: Content digest (63 bits) of the latest of a DataLoader pass's first batches
+    #: the step drew; 0 past them or with none. Equal on every rank: the same data.
+    batch_digest: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

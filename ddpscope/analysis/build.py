@@ -34,6 +34,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
     from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
+    from ddpscope.analysis.detectors.sampling.same_batches import SameBatchesDetector
     from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
     from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
     from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
@@ -48,6 +49,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         HyperparamDetector(mode),
         SetEpochDetector(mode, ledgers),
         ShardingDetector(mode, ledgers),
+        SameBatchesDetector(mode, ledgers),
         UnevenInputsDetector(mode, ledgers),
         PaddedEvaluationDetector(mode, ledgers),
         HangDetector(mode),

@@ -52,6 +52,9 @@ class StepRecord(NamedTuple):
     #: A backward of the step reached the model with no forward through DDP in the
     #: step: the loop called the wrapped module itself, and DDP all-reduced nothing.
     bypassed: bool
+    #: Content digest of the latest of a pass's first batches the step drew
+    #: (hooks/batchdigest.py); 0 past them or with none.
+    batch_digest: int
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

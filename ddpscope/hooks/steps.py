@@ -871,9 +871,11 @@ class StepTracker:
                 waited - self._fetch_mark,
                 fetches,
                 self._fwd == 0 and self._bwd > 0,
+                loaderwait.batch_digest,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
+        loaderwait.batch_digest = 0
         cpu = self._cpu
         pub, lane = self.pub, self._lane
         if pub.alive:  # Publisher.post, spelled out
@@ -1078,6 +1080,8 @@ class StepTracker:
             fields["unsynced"] = True
         if rec.bypassed:
             fields["bypassed"] = True
+        if rec.batch_digest:
+            fields["batch_digest"] = rec.batch_digest
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

@@ -153,14 +153,12 @@ def test_accelerate_iterable_dataset_raises_nothing(
     assert sorted(steps) == [0, 1] and all(len(ss) == 48 for ss in steps.values())
 
 
-def test_every_rank_reading_the_same_iterable_stream_is_not_named_today(
+def test_every_rank_reading_the_same_iterable_stream_is_named_from_its_batches(
     tmp_path: Path, endpoint: str
 ) -> None:
-    """A known blind spot, pinned so that closing it updates this test and the docs.
-
-    The stream is left out of ``accelerator.prepare``: every rank reads all 512
+    """The stream is left out of ``accelerator.prepare``: every rank reads all 512
     samples. An IterableDataset has no sampler indices, so each pass is reported
-    untracked and looks exactly like a sharded one; only the step count differs.
+    untracked; the ranks' batch digests are what show them drawing the same data.
     """
     rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--iterable", "--same-batches")
     steps = steps_of(rec)
@@ -171,8 +169,12 @@ def test_every_rank_reading_the_same_iterable_stream_is_not_named_today(
         ends = [m for m in ms if isinstance(m, SamplerPassEnd)]
         assert passes and all(p.dataset_len == -1 and p.expected == -1 for p in passes)
         assert ends and all(e.count == -1 and not e.sketch for e in ends)
+    # The first 4 batches of each of the 3 passes carry a digest, alike on both ranks.
+    digests = {r: [s.batch_digest for s in ss] for r, ss in steps.items()}
+    assert sum(1 for d in digests[0] if d) == 12 and digests[0] == digests[1]
     found = [f for f in serious(report(rec)) if f["kind"] in SAMPLING_KINDS]
-    assert found == [], brief(found)
+    assert [(f["kind"], f["ranks"]) for f in found] == [("unsharded_data", [0, 1])], brief(found)
+    assert found[0]["evidence"]["how"] == "batch_digest"
 
 
 @pytest.fixture(scope="module")

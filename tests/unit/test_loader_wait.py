@@ -140,3 +140,22 @@ def test_the_live_phase_is_data_only_inside_the_dataloader(fresh_rank: Path) -> 
     handle.close()
     assert inside[1:] == ["data"] * 7
     assert between == ["idle"] * 8
+
+
+def test_the_first_batches_of_each_pass_carry_a_digest_of_their_content(tmp_path: Path) -> None:
+    data = TensorDataset(torch.arange(256.0).reshape(32, 8), torch.zeros(32, 2))
+    loader = DataLoader(data, batch_size=2)
+
+    def two_passes() -> Iterator[Any]:
+        for _ in range(2):
+            yield from loader
+
+    # 16 batches a pass; _train leaves out the first step (batch 1 of pass 1).
+    digests = [s.batch_digest for s in _train(tmp_path, two_passes())]
+    assert len(digests) == 31
+    first, second = digests[:15], digests[15:]
+    # The first DIGEST_BATCHES batches of each pass, then none.
+    assert all(first[:3]) and not any(first[3:])
+    assert all(second[:4]) and not any(second[4:])
+    assert first[:3] == second[1:4]  # no shuffle: the same batches again
+    assert len(set(second[:4])) == 4

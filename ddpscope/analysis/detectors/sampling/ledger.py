@@ -1,7 +1,7 @@
 """The pass ledger: which pass of its loader each step of a rank drew from.
 
-Not a detector: what the sampling detectors (set_epoch, sharding, uneven,
-eval_padding) share.
+Not a detector: what the sampling detectors (set_epoch, sharding,
+same_batches, uneven, eval_padding) share.
 
 What the ranks send
 -------------------
