@@ -71,10 +71,30 @@ def _brief(found: list[Finding]) -> list[str]:
     return [f"{f.kind} {f.severity} {f.ranks}: {f.message}" for f in found]
 
 
+def _starved_record(tmp_path: Path, endpoint: str) -> Path:
+    """The starved job's recording, run once more where the host starved both ranks.
+
+    What is under test is one rank starved beside a healthy one. Under the whole
+    suite's load (another worker's job beside the busy loops) a clean-clone CI
+    run once had rank 0 silent for its first 18 s as well: ddpscope said so
+    (``telemetry``, warning: it saw one rank), and named the starved rank a
+    straggler in that run. A run whose healthy rank the host starved too is not
+    the case this test is about; a second is taken, and judged whatever it shows.
+    """
+    for attempt in range(2):
+        rec = _record(tmp_path / f"try{attempt}", endpoint, "--starve", "1")
+        found = _findings(rec)
+        if not any(
+            f.kind == "telemetry" and severity_at_least(f.severity, "warning") for f in found
+        ):
+            break
+    return rec
+
+
 def test_a_rank_starved_of_cpu_for_real_is_not_named_a_straggler(
     tmp_path: Path, endpoint: str
 ) -> None:
-    rec = _record(tmp_path, endpoint, "--starve", "1")
+    rec = _starved_record(tmp_path, endpoint)
     steps = _steps(rec)
     assert sorted(steps) == [0, 1] and all(len(ss) == 120 for ss in steps.values())
     for ss in steps.values():
