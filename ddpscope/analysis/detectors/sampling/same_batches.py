@@ -68,7 +68,8 @@ class _Tally:
 @dataclass
 class _BatchRun:
     ledger: PassLedger
-    #: (group, step) -> rank -> digest, until every rank of the group sent one.
+    #: (group, step) -> rank -> digest, until every rank of the group sent one; the
+    #: group is () for the whole world.
     open: dict[tuple[tuple[int, ...], int], dict[int, int]] = field(default_factory=dict)
     groups: dict[tuple[int, ...], _Tally] = field(default_factory=dict)
 
@@ -96,8 +97,10 @@ class SameBatchesDetector(LedgerDetector[_BatchRun]):
         if not _untracked(rec):
             return
         assert rec is not None
-        group = dp_group(run, msg.rank) or tuple(range(max(run.world_size, len(run.ranks))))
-        if len(group) < 2 or msg.rank not in group:
+        # The DDP group's ranks; () for the whole world (a cheap key at any scale).
+        group = dp_group(run, msg.rank)
+        size = len(group) if group else max(run.world_size, len(run.ranks))
+        if size < 2 or (group and msg.rank not in group):
             return
         key = (group, msg.step)
         seen = st.open.get(key)
@@ -106,7 +109,7 @@ class SameBatchesDetector(LedgerDetector[_BatchRun]):
                 del st.open[next(iter(st.open))]
             seen = st.open[key] = {}
         seen[msg.rank] = msg.batch_digest
-        if len(seen) < len(group):
+        if len(seen) < size:
             return
         del st.open[key]
         tally = st.groups.setdefault(group, _Tally())
@@ -120,29 +123,29 @@ class SameBatchesDetector(LedgerDetector[_BatchRun]):
         else:
             tally.differ += 1
         if tally.same >= MIN_SAME and tally.same >= 2 * tally.differ:
-            self._publish(group, tally, book)
+            self._publish(group, sorted(seen), tally, book)
 
     def tick(self, run: RunState, book: FindingBook) -> None:
         """Nothing here depends on time."""
 
     @staticmethod
-    def _publish(group: tuple[int, ...], t: _Tally, book: FindingBook) -> None:
+    def _publish(group: tuple[int, ...], ranks: list[int], t: _Tally, book: FindingBook) -> None:
         compared = t.same + t.differ
         dataset = f"{t.dataset_type}: " if t.dataset_type else ""
         message = (
-            f"{cap(ranks_phrase(group))} draw the same batches from loader {t.loader} "
+            f"{cap(ranks_phrase(ranks))} draw the same batches from loader {t.loader} "
             f"({dataset}a stream with no sampler indices to follow): the first batches of its "
-            "passes "
-            f"hold the same data on every one of them ({t.same} of {compared} steps compared), "
+            f"passes hold the same data on every one of them ({t.same} of {compared} steps "
+            "compared), "
             "so the stream is not split by rank. Every rank trains on the same samples: the "
-            f"job does the work of one rank {len(group)} times over."
+            f"job does the work of one rank {len(ranks)} times over."
         )
         book.raise_or_update(
-            f"batches:{','.join(map(str, group[:16]))}",
+            "batches:" + (",".join(map(str, group[:16])) if group else "all"),
             Finding(
                 kind=KIND,
                 severity="warning",
-                ranks=list(group),
+                ranks=ranks,
                 step=t.first_step,
                 message=message,
                 fix=FIX_STREAM,
