@@ -127,9 +127,6 @@ class PaddedEvaluationDetector(LedgerDetector[_EvalRun]):
             if ev.kind == "end" and ev.rec is not None and _evaluation(ev.rec):
                 self._ended(st, ev.rec, book)
 
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Nothing here depends on time."""
-
     def _ended(self, st: _EvalRun, rec: PassRec, book: FindingBook) -> None:
         b, e = rec.begin, rec.end
         assert b is not None and e is not None

@@ -125,9 +125,6 @@ class SameBatchesDetector(LedgerDetector[_BatchRun]):
         if tally.same >= MIN_SAME and tally.same >= 2 * tally.differ:
             self._publish(group, sorted(seen), tally, book)
 
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Nothing here depends on time."""
-
     @staticmethod
     def _publish(group: tuple[int, ...], ranks: list[int], t: _Tally, book: FindingBook) -> None:
         compared = t.same + t.differ

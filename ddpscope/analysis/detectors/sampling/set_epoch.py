@@ -97,9 +97,6 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             elif ev.kind == "end":
                 self._ended(st.repeats, ev.rec, book)
 
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Nothing here depends on time."""
-
     def _trained(self, state: dict[int, _Repeat], rec: PassRec, book: FindingBook) -> None:
         b, prev = rec.begin, rec.prev
         if b is None or prev is None or prev.begin is None:

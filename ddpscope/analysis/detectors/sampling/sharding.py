@@ -210,9 +210,6 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
             elif ev.kind == "end" and rec.steps > 0:
                 self._measure(run, st, rec, book)
 
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Nothing here depends on time."""
-
     # (b) settings, at iter() ------------------------------------------------------
 
     def _begun(self, run: RunState, st: _ShardRun, rec: PassRec, book: FindingBook) -> None:

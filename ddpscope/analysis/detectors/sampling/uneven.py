@@ -143,9 +143,6 @@ class UnevenInputsDetector(LedgerDetector[_UnevenRun]):
             elif ev.kind == "end":
                 self._exhausted(st, rec, book)
 
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Nothing here depends on time."""
-
     def _state(self, run: RunState) -> _UnevenRun:
         st = self._run(run.run_id)
         return st
