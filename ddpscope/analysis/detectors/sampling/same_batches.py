@@ -5,7 +5,7 @@ untracked: ``sampler_pass_end.count`` is -1), so the index checks of
 sharding.py cannot tell a stream split by rank from one every rank reads
 whole. What the ranks draw can: each rank sends, with the step that drew
 them, a digest of the first batches of every DataLoader pass
-(``Step.batch_digest``: the first tensor's shape and leading values, see
+(``Step.batch_digest``: a hash of the first tensor's shape and values, see
 hooks/batchdigest.py). DDP keeps its ranks in lockstep, so step ``s`` of
 every rank draws the corresponding batch; ranks that shard their stream
 draw different ones.
@@ -62,7 +62,6 @@ class _Tally:
     first_step: int = -1
     loader: int = -1
     dataset_type: str = ""
-    raised: bool = False
 
 
 @dataclass
@@ -133,9 +132,8 @@ class SameBatchesDetector(LedgerDetector[_BatchRun]):
             f"{cap(ranks_phrase(ranks))} draw the same batches from loader {t.loader} "
             f"({dataset}a stream with no sampler indices to follow): the first batches of its "
             f"passes hold the same data on every one of them ({t.same} of {compared} steps "
-            "compared), "
-            "so the stream is not split by rank. Every rank trains on the same samples: the "
-            f"job does the work of one rank {len(ranks)} times over."
+            "compared), so the stream is not split by rank. Every rank trains on the same "
+            f"samples: the job does the work of one rank {len(ranks)} times over."
         )
         book.raise_or_update(
             "batches:" + (",".join(map(str, group[:16])) if group else "all"),
