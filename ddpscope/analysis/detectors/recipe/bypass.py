@@ -118,14 +118,15 @@ class BypassDetector:
         one = len(ranks) == 1
         their, train = ("its", "trains") if one else ("their", "train")
         averaged = sum(t.averaged for t in found.values())
+        by_hand_too = 2 * averaged >= bypassed
         evidence = {
             "model": model,
             "bypassed_steps": {str(r): found[r].bypassed for r in ranks[:MAX_LISTED]},
             "steps": {str(r): found[r].steps for r in ranks[:MAX_LISTED]},
             "averaged_by_hand_steps": {str(r): found[r].averaged for r in ranks[:MAX_LISTED]},
             "min_steps": MIN_STEPS,
+            "averaged_by_hand": by_hand_too,
         }
-        by_hand_too = 2 * averaged >= bypassed
         if by_hand_too:
             severity, fix = "info", _FIX_AVERAGED
             message = (
@@ -154,7 +155,7 @@ class BypassDetector:
                 step=min(t.first_step for t in found.values()),
                 message=message,
                 fix=fix,
-                evidence={**evidence, "averaged_by_hand": by_hand_too},
+                evidence=evidence,
             ),
         )
         if by_hand_too:
