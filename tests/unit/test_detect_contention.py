@@ -160,6 +160,30 @@ def test_a_starved_rank_that_then_computes_more_becomes_a_straggler() -> None:
     assert named.step > 100
 
 
+def test_a_straggler_whose_later_windows_are_run_queue_wait_is_renamed_contention() -> None:
+    # Its first slow steps carry no extra wait (as a window under a burst of load
+    # can read); from 20 steps after the onset on, its wait explains the rest.
+    slow = straggler(noisy(8), SLOW, start=ONSET, factor=2.0)
+    wait_from = ONSET + 20
+
+    def late_wait(s: Step) -> int:
+        if s.rank == SLOW and s.step >= wait_from:
+            return own(s) // 2
+        return own(s) // 20
+
+    analysis = analyse(2, 200, slow, late_wait)
+    assert sorted(kinds(analysis)) == [
+        ("cpu_contention", "info", [SLOW], True),
+        ("straggler", "warning", [SLOW], False),
+    ]
+    (named,) = findings(analysis, "straggler")
+    (renamed,) = findings(analysis, "cpu_contention")
+    assert named.step < wait_from < renamed.step
+    assert named.evidence["renamed_to"] == "cpu_contention"
+    assert named.message.startswith(f"rank {SLOW} was named a straggler at step ")
+    assert renamed.evidence["on_cpu_ratio"] < 1.15
+
+
 def test_steps_without_run_queue_readings_keep_the_straggler() -> None:
     """Recordings from before the field, or a rank on macOS: -1 on every step."""
     slow = straggler(noisy(7), SLOW, start=ONSET, factor=2.0)
