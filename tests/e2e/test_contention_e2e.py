@@ -126,22 +126,34 @@ def _renamed(f: Finding) -> bool:
     )
 
 
+def _starved_alone(rec: Path) -> bool:
+    """Whether the host starved rank 1 and left rank 0 be: the case under test.
+
+    Most of rank 1's own work was waiting for its core, beyond rank 0's wait
+    (the whole run's medians), and ddpscope heard from both ranks throughout.
+    """
+    steps = _steps(rec)
+    extra = _wait_per_step_ms(steps[1]) - _wait_per_step_ms(steps[0])
+    quiet = not any(
+        f.kind == "telemetry" and severity_at_least(f.severity, "warning") for f in _findings(rec)
+    )
+    return quiet and extra > 0.3 * _own_ms(steps[1])
+
+
 def _starved_record(tmp_path: Path, endpoint: str) -> Path:
     """The starved job's recording, run once more where the host starved both ranks.
 
     What is under test is one rank starved beside a healthy one. Under the whole
-    suite's load (another worker's job beside the busy loops) a clean-clone CI
-    run once had rank 0 silent for its first 18 s as well: ddpscope said so
-    (``telemetry``, warning: it saw one rank), and named the starved rank a
-    straggler in that run. A run whose healthy rank the host starved too is not
-    the case this test is about; a second is taken, and judged whatever it shows.
+    suite's load the host starves rank 0 too at times: a clean-clone CI run had
+    rank 0 silent for its first 18 s (ddpscope said so: ``telemetry``, warning,
+    it saw one rank), and beside the frameworks tier's jobs rank 0 once waited
+    42 ms a step against rank 1's 53 (ddpscope named contention, rightly: both
+    were starved alike). Such a run is not the case this test is about; a
+    second is taken, and judged whatever it shows.
     """
     for attempt in range(2):
         rec = _record(tmp_path / f"try{attempt}", endpoint, "--starve", "1")
-        found = _findings(rec)
-        if not any(
-            f.kind == "telemetry" and severity_at_least(f.severity, "warning") for f in found
-        ):
+        if _starved_alone(rec):
             break
     return rec
 
@@ -157,7 +169,7 @@ def test_a_rank_starved_of_cpu_for_real_is_not_named_a_straggler(
         assert min(rq) >= 0 and rq == sorted(rq)  # real readings, cumulative
     # Rank 1 was starved: most of its own work was waiting for its core.
     extra = _wait_per_step_ms(steps[1]) - _wait_per_step_ms(steps[0])
-    assert extra > 0.3 * _own_ms(steps[1]), (extra, _own_ms(steps[1]))
+    assert _starved_alone(rec), (extra, _own_ms(steps[1]), _brief(_findings(rec)))
     # Without the readings it passes for a straggler: the false alarm this removes.
     blind = _without_readings(rec)
     assert [(f.kind, f.ranks) for f in blind] == [("straggler", [1])], _brief(blind)
