@@ -251,3 +251,12 @@ def recovered(r: int, host: str, first_step: int, step: int) -> str:
         f"rank {r} waited for a CPU{_on(host)} from step {first_step} to step {step}; it "
         "keeps pace with the other ranks again."
     )
+
+
+def renamed(r: int, first_step: int, step: int) -> str:
+    """The closing message of a straggler finding whose rank turned out to be starved."""
+    return (
+        f"rank {r} was named a straggler at step {first_step}; by step {step} its extra own "
+        "work is time it spent waiting for a CPU, and on a CPU it keeps pace with the other "
+        f"ranks: see {KIND} for rank {r}."
+    )

@@ -1,7 +1,8 @@
-"""The figures a slow rank's finding shows: its phases against the others', their waits, its host.
+"""What a slow rank's finding shows: its phases against the others', their waits, its host.
 
 Taken over the detector's window of complete steps (design notes, section 4:
-say which phase grew, where the others wait, and the host context).
+say which phase grew, where the others wait, and the host context), and the
+words for them: each phase's label, what to check when it grew.
 """
 
 from __future__ import annotations
@@ -34,6 +35,44 @@ WAITS: tuple[tuple[str, str], ...] = (
     ("ddp_sync", "sync_wait_ns"),
     ("collectives", "coll_wait_ns"),
 )
+
+
+#: What the message calls each phase.
+PHASE_LABEL = {
+    "data": "data loading",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer.step()",
+    "other": "code outside data/forward/backward/optimizer",
+}
+
+
+#: What to check, by the phase that grew most (``{r}``: the rank).
+FIX = {
+    "data": (
+        "Rank {r} waits longer for its batches. Check its input pipeline: more DataLoader "
+        "num_workers, pin_memory, prefetch_factor; slow storage or network reads on its host; "
+        "costly per-sample transforms; larger samples (long sequences) landing on this rank."
+    ),
+    "forward": (
+        "Rank {r} computes slower on the same work. Check its host and device: other "
+        "processes competing for its CPU, thread oversubscription (set OMP_NUM_THREADS), a "
+        "throttled or slower GPU (nvidia-smi -q -d PERFORMANCE,CLOCK shows thermal and power "
+        "caps), or bigger inputs on this rank (uneven batch shapes)."
+    ),
+    "optimizer": (
+        "optimizer.step() is slower on rank {r}: CPU contention on its host, optimizer state "
+        "on a slower device or offloaded, or extra work in this rank's optimizer."
+    ),
+    "other": (
+        "Rank {r} runs extra code each step outside forward/backward/optimizer and its "
+        "DataLoader's wait: logging, metrics, callbacks, checkpointing or evaluation on this "
+        "rank only, .item()/.cpu() synchronisations, sleeps, or copying its batch to the "
+        "device (pin_memory=True with .to(device, non_blocking=True) hides that). Move that "
+        "work off the training step, do it on every rank in the background, or less often."
+    ),
+}
+FIX["backward"] = FIX["forward"]
 
 
 def evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:

@@ -69,23 +69,20 @@ straggler when all of these hold over its window:
 It stays flagged until the median ratio falls below ``release``; then the
 finding is resolved.
 
-A rank found slow whose extra own work is mostly time its training thread
-was runnable but waiting for a CPU (``Step.rq_wait_ns``), and that keeps pace
-on a CPU, is starved by its host, not a straggler of the job's making: it is
-raised as an info ``cpu_contention`` finding instead (the rule and its
-reasons: ``contention.py``). Each is judged again whenever its evidence is
-refreshed, so the finding follows the rank both ways: a straggler whose later
-windows are explained by its run-queue wait, with a CPU pace under
-``release``, is closed and renamed (a first window can read otherwise under a
-burst of load: seen once in ~60 runs of the starved e2e job beside the
-suite's jobs); a starved rank whose own work grows past its wait is named a
-straggler. Seen on the 2-core test machine under load: the
-rank that got less CPU ran backward 2-4x slower for 0.6-3 s, long enough to
-pass every test above. Measured on synthetic lockstep runs (~100 ms steps, ±30%
-jitter per rank, step and phase, 3% 3x spikes; 200 seeds): +50% compute in one
-phase is named 13 steps after its onset (median; worst 18), x1.5 on every
-phase 13 (worst 20 with 8 ranks, 32 in 1% of 2-rank runs); 400 healthy runs
-of 300 steps on 2 and 8 ranks raise nothing.
+A rank found slow whose extra own work is mostly time its training thread was
+runnable but waiting for a CPU (``Step.rq_wait_ns``), and that keeps pace on a
+CPU, is starved by its host, not a straggler of the job's making: it is raised
+as an info ``cpu_contention`` finding instead (the rule and its reasons:
+``contention.py``). Each is judged again whenever its evidence is refreshed,
+and renamed either way when the run queue comes to explain its extra own work
+(with a CPU pace under ``release``) or stops explaining it. Seen on the 2-core
+test machine under load: the rank that got less CPU ran backward 2-4x slower
+for 0.6-3 s, long enough to pass every test above. Measured on synthetic
+lockstep runs (~100 ms steps, ±30% jitter per rank, step and phase, 3% 3x
+spikes; 200 seeds): +50% compute in one phase is named 13 steps after its
+onset (median; worst 18), x1.5 on every phase 13 (worst 20 with 8 ranks, 32 in
+1% of 2-rank runs); 400 healthy runs of 300 steps on 2 and 8 ranks raise
+nothing.
 """
 
 from __future__ import annotations
@@ -97,7 +94,14 @@ from statistics import median
 from typing import Any
 
 from ddpscope.analysis.detectors import contention
-from ddpscope.analysis.detectors.slow_evidence import WAIT_TEXT, evidence, host, host_hint
+from ddpscope.analysis.detectors.slow_evidence import (
+    FIX,
+    PHASE_LABEL,
+    WAIT_TEXT,
+    evidence,
+    host,
+    host_hint,
+)
 from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
@@ -106,32 +110,6 @@ from ddpscope.analysis.waits import bucket_waits, median_without, own_ns
 from ddpscope.schema import Message, Step
 
 KIND = "straggler"
-
-_FIX = {
-    "data": (
-        "Rank {r} waits longer for its batches. Check its input pipeline: more DataLoader "
-        "num_workers, pin_memory, prefetch_factor; slow storage or network reads on its host; "
-        "costly per-sample transforms; larger samples (long sequences) landing on this rank."
-    ),
-    "forward": (
-        "Rank {r} computes slower on the same work. Check its host and device: other "
-        "processes competing for its CPU, thread oversubscription (set OMP_NUM_THREADS), a "
-        "throttled or slower GPU (nvidia-smi -q -d PERFORMANCE,CLOCK shows thermal and power "
-        "caps), or bigger inputs on this rank (uneven batch shapes)."
-    ),
-    "optimizer": (
-        "optimizer.step() is slower on rank {r}: CPU contention on its host, optimizer state "
-        "on a slower device or offloaded, or extra work in this rank's optimizer."
-    ),
-    "other": (
-        "Rank {r} runs extra code each step outside forward/backward/optimizer and its "
-        "DataLoader's wait: logging, metrics, callbacks, checkpointing or evaluation on this "
-        "rank only, .item()/.cpu() synchronisations, sleeps, or copying its batch to the "
-        "device (pin_memory=True with .to(device, non_blocking=True) hides that). Move that "
-        "work off the training step, do it on every rank in the background, or less often."
-    ),
-}
-_FIX["backward"] = _FIX["forward"]
 
 
 # Not frozen: one is made per rank and complete step (4,096 a step at 4,096
@@ -520,7 +498,7 @@ class StragglerDetector:
         ev["slowdown_pct"] = round((step_ns / what_if - 1) * 100, 1) if what_if > 0 else None
         grown = ev["grown_phases"]
         where = " and ".join(
-            f"{_LABEL[p]} (+{ev['phases_ms'][p]['delta']:.1f} ms)" for p in grown[:2]
+            f"{PHASE_LABEL[p]} (+{ev['phases_ms'][p]['delta']:.1f} ms)" for p in grown[:2]
         )
         message = (
             f"rank {r} is a straggler: its own work takes {_ms(v.own):.1f} ms/step vs "
@@ -530,7 +508,7 @@ class StragglerDetector:
             f"Steps take {ev['step_ms']:.1f} ms; "
             f"~{ev['what_if_step_ms']:.1f} ms if rank {r} kept pace with the others."
         )
-        fix = _FIX[grown[0] if grown else "forward"].format(r=r) + host_hint(ev)
+        fix = FIX[grown[0] if grown else "forward"].format(r=r) + host_hint(ev)
         self._publish(run, r, step, flag, book, ev, message, fix)
 
     def _publish(
@@ -570,11 +548,7 @@ class StragglerDetector:
             "ratio_now": round(v.ratio, 3),
             "renamed_to": contention.KIND,
         }
-        flag.message = (
-            f"rank {r} was named a straggler at step {flag.first_step}; by step {step} its "
-            "extra own work is time it spent waiting for a CPU, and on a CPU it keeps pace "
-            f"with the other ranks: see {contention.KIND} for rank {r}."
-        )
+        flag.message = contention.renamed(r, flag.first_step, step)
         self._raise(r, flag, step, book, active=False)
 
     def _raise(self, r: int, flag: _Flag, step: int, book: FindingBook, *, active: bool) -> None:
@@ -592,15 +566,6 @@ class StragglerDetector:
                 active=active,
             ),
         )
-
-
-_LABEL = {
-    "data": "data loading",
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer": "optimizer.step()",
-    "other": "code outside data/forward/backward/optimizer",
-}
 
 
 def _times(ratio: float) -> str:
