@@ -114,12 +114,12 @@ def _judged_windows(rec: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def _renamed(f: Finding) -> bool:
     """A straggler named on a first window misread, renamed at a later one.
 
-    Under the suite's load a starved run was named a straggler at step 16 in
-    one of ~65 runs here (and in 2 of 5 clean-clone CI runs before the
-    detector judged a straggler again at each refresh). The finding then
-    follows the evidence: closed and renamed ``cpu_contention`` once the run
-    queue explains the rank's extra own work. That is allowed here; a
-    straggler still named at the end is not.
+    Beside two or three of the suite's jobs and a busy loop, a starved run was
+    named a straggler at step 16 in one of ~65 runs (and in 2 of 5 clean-clone
+    CI runs before the detector judged a straggler again at each refresh). The
+    finding then follows the evidence: closed and renamed ``cpu_contention``
+    once the run queue explains the rank's extra own work. That is allowed
+    here; a straggler still named at the end is not.
     """
     return (
         f.kind == "straggler" and not f.active and f.evidence.get("renamed_to") == "cpu_contention"
