@@ -34,7 +34,7 @@ import json
 import random
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ddpscope.analysis.detectors.straggler import StragglerDetector
@@ -98,40 +98,43 @@ def summary(latencies: list[int | None]) -> dict[str, Any]:
     }
 
 
-def case_compute(world: int, seeds: int) -> dict[str, Any]:
+def straggler_case(runs: Iterable[list[Message]], seeds: int) -> dict[str, Any]:
+    """Steps to the straggler with and without readings, and the runs a later window renamed."""
     with_r, without = [], []
     renamed = 0
-    for seed in range(seeds):
-        msgs = run(world, 120, straggler(noisy(seed), 1, start=ONSET), lambda s: own(s) // 20)
-        a, b = both(msgs, "straggler")
-        renamed += bool(raised(analyse(msgs, True), "cpu_contention"))
-        with_r.append(latency(a))
-        without.append(latency(b))
+    for msgs in runs:
+        seen = analyse(msgs, True)
+        with_r.append(latency(raised(seen, "straggler")))
+        without.append(latency(raised(analyse(msgs, False), "straggler")))
+        # A straggler closed and renamed cpu_contention at a later window: wrong here.
+        renamed += bool(raised(seen, "cpu_contention"))
     return {
         "with_readings": summary(with_r),
         "without_readings": summary(without),
-        # A straggler closed and renamed cpu_contention at a later window: wrong here.
         "runs_renamed_cpu_contention": f"{renamed}/{seeds}",
     }
+
+
+def case_compute(world: int, seeds: int) -> dict[str, Any]:
+    runs = (
+        run(world, 120, straggler(noisy(seed), 1, start=ONSET), lambda s: own(s) // 20)
+        for seed in range(seeds)
+    )
+    return straggler_case(runs, seeds)
 
 
 def case_busy_loop(world: int, seeds: int) -> dict[str, Any]:
     share = 0.3
-    with_r, without = [], []
-    renamed = 0
-    for seed in range(seeds):
-        timing = straggler(noisy(seed, BASE.scaled(1 / share)), 1, start=ONSET, factor=2.0)
-        msgs = run(world, 120, timing, lambda s: int(own(s) * (1 - share)))
-        a, b = both(msgs, "straggler")
-        renamed += bool(raised(analyse(msgs, True), "cpu_contention"))
-        with_r.append(latency(a))
-        without.append(latency(b))
-    return {
-        "with_readings": summary(with_r),
-        "without_readings": summary(without),
-        # A straggler closed and renamed cpu_contention at a later window: wrong here.
-        "runs_renamed_cpu_contention": f"{renamed}/{seeds}",
-    }
+    runs = (
+        run(
+            world,
+            120,
+            straggler(noisy(seed, BASE.scaled(1 / share)), 1, start=ONSET, factor=2.0),
+            lambda s: int(own(s) * (1 - share)),
+        )
+        for seed in range(seeds)
+    )
+    return straggler_case(runs, seeds)
 
 
 def case_starved(world: int, seeds: int) -> dict[str, Any]:
