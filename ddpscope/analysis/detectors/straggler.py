@@ -383,7 +383,7 @@ class StragglerDetector:
             # Named on a window the run queue did not explain; this one does, and on
             # a CPU the rank keeps pace (the release margin, so a rank near the line
             # is not renamed back and forth).
-            self._renamed(r, v, step, flag, book)
+            self._recovered(r, v, step, flag, book, starved=True)
             flag = memo.flagged[r] = _Flag(
                 step, step, onset=_onset(win, self.persist), kind=contention.KIND
             )
@@ -528,9 +528,23 @@ class StragglerDetector:
         flag.evidence, flag.message, flag.fix = ev, message, fix
         self._raise(r, flag, step, book, active=True)
 
-    def _recovered(self, r: int, v: _Verdict, step: int, flag: _Flag, book: FindingBook) -> None:
+    def _recovered(
+        self,
+        r: int,
+        v: _Verdict,
+        step: int,
+        flag: _Flag,
+        book: FindingBook,
+        *,
+        starved: bool = False,
+    ) -> None:
+        """Its finding closed: the rank keeps pace, or (``starved``) a straggler turned out
+        to be waiting for a CPU and is renamed."""
         flag.evidence = {**flag.evidence, "recovered_step": step, "ratio_now": round(v.ratio, 3)}
-        if flag.kind == contention.KIND:
+        if starved:
+            flag.evidence["renamed_to"] = contention.KIND
+            flag.message = contention.renamed(r, flag.first_step, step)
+        elif flag.kind == contention.KIND:
             flag.message = contention.recovered(r, flag.host, flag.first_step, step)
         else:
             flag.message = (
@@ -538,17 +552,6 @@ class StragglerDetector:
                 f"up to {_times(flag.peak)} the other ranks'); it has caught up "
                 f"({_times(v.ratio)} now)."
             )
-        self._raise(r, flag, step, book, active=False)
-
-    def _renamed(self, r: int, v: _Verdict, step: int, flag: _Flag, book: FindingBook) -> None:
-        """A straggler finding closed because the rank turned out to be waiting for a CPU."""
-        flag.evidence = {
-            **flag.evidence,
-            "recovered_step": step,
-            "ratio_now": round(v.ratio, 3),
-            "renamed_to": contention.KIND,
-        }
-        flag.message = contention.renamed(r, flag.first_step, step)
         self._raise(r, flag, step, book, active=False)
 
     def _raise(self, r: int, flag: _Flag, step: int, book: FindingBook, *, active: bool) -> None:
