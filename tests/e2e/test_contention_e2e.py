@@ -126,7 +126,7 @@ def _renamed(f: Finding) -> bool:
     )
 
 
-def _starved_alone(rec: Path) -> bool:
+def _starved_alone(steps: dict[int, list[Step]], found: list[Finding]) -> bool:
     """Whether the host starved rank 1 and left rank 0 be: the case under test.
 
     Most of rank 1's own work was waiting for its core, beyond rank 0's wait
@@ -134,11 +134,9 @@ def _starved_alone(rec: Path) -> bool:
     the job never stopped: in one clean-clone CI run the host held rank 0 for
     7 s at step 96 (``hang``, error, rightly, resolved when it went on).
     """
-    steps = _steps(rec)
     extra = _wait_per_step_ms(steps[1]) - _wait_per_step_ms(steps[0])
     quiet = not any(
-        f.kind in ("telemetry", "hang") and severity_at_least(f.severity, "warning")
-        for f in _findings(rec)
+        f.kind in ("telemetry", "hang") and severity_at_least(f.severity, "warning") for f in found
     )
     return quiet and extra > 0.3 * _own_ms(steps[1])
 
@@ -156,7 +154,7 @@ def _starved_record(tmp_path: Path, endpoint: str) -> Path:
     """
     for attempt in range(2):
         rec = _record(tmp_path / f"try{attempt}", endpoint, "--starve", "1")
-        if _starved_alone(rec):
+        if _starved_alone(_steps(rec), _findings(rec)):
             break
     return rec
 
@@ -175,17 +173,17 @@ def test_a_rank_starved_of_cpu_for_real_is_not_named_a_straggler(
 ) -> None:
     rec = _starved_record(tmp_path, endpoint)
     steps = _steps(rec)
+    found = _findings(rec)
     assert sorted(steps) == [0, 1] and all(len(ss) == 120 for ss in steps.values())
     for ss in steps.values():
         rq = [s.rq_wait_ns for s in ss]
         assert min(rq) >= 0 and rq == sorted(rq)  # real readings, cumulative
     # Rank 1 was starved: most of its own work was waiting for its core.
     extra = _wait_per_step_ms(steps[1]) - _wait_per_step_ms(steps[0])
-    assert _starved_alone(rec), (extra, _own_ms(steps[1]), _brief(_findings(rec)))
+    assert _starved_alone(steps, found), (extra, _own_ms(steps[1]), _brief(found))
     # Without the readings it passes for a straggler: the false alarm this removes.
     blind = _without_readings(rec)
     assert [(f.kind, f.ranks) for f in blind] == [("straggler", [1])], _brief(blind)
-    found = _findings(rec)
     loud = [f for f in found if severity_at_least(f.severity, "warning") and not _renamed(f)]
     assert loud == [], (_brief(loud), _judged_windows(rec, monkeypatch), _steps_brief(steps))
     named = [f for f in found if f.kind == "cpu_contention"]
