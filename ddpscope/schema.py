@@ -245,6 +245,9 @@ class Step(Message):
     #: The training thread's run-queue wait (runnable, waiting for a CPU) since it
     #: started, at the step's end, ns; -1 where not known (no /proc: macOS).
     rq_wait_ns: int = -1
+    #: The training thread's time on a CPU since it started, at the step's end, ns
+    #: (read and interpolated with ``rq_wait_ns``); -1 where not known.
+    cpu_ns: int = -1
     #: optimizer.step() ran on gradients no backward of this step all-reduced
     #: (every one under ``no_sync()``): the rank's update is its own.
     unsynced: bool = False

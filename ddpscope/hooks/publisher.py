@@ -335,7 +335,9 @@ class Publisher:
             q.popleft()
             fields.setdefault("t", born)
             if kind == Step.KIND:
-                fields["rq_wait_ns"] = self._run_queue.at(fields.get("t_end", now))
+                t_end = fields.get("t_end", now)
+                fields["rq_wait_ns"] = self._run_queue.at(t_end)
+                fields["cpu_ns"] = self._run_queue.cpu_at(t_end)
                 steps += 1
             items += 1
             self._emit(kind, model, fields, record=True)

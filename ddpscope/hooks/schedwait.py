@@ -1,4 +1,4 @@
-"""The training thread's run-queue wait, read from the publisher thread.
+"""The training thread's run-queue wait and CPU time, read from the publisher thread.
 
 A rank on a loaded host can be slow for no fault of its own: its training
 thread is runnable but waiting for a CPU that other processes hold. Linux
@@ -15,8 +15,11 @@ made on the publisher thread: nothing runs on the training thread after
 without schedstats) every reading is -1 and the wire field stays at its
 default.
 
+Its time on a CPU (the first field) comes with the same reading: what the
+rank's work costs with a CPU of its own, the contention rule's other half.
+
 Steps end between two publisher ticks, and a reading is taken once per
-tick, so the wait at a step's end is interpolated between the two readings
+tick, so the wait (and CPU time) at a step's end is interpolated between the two readings
 around it: the detectors sum it over windows of a second or more, where the
 error is at most one tick's wait at each end.
 """
@@ -36,9 +39,9 @@ def parse_schedstat(text: bytes) -> tuple[int, int, int]:
 
 
 class RunQueueWait:
-    """Cumulative run-queue wait of one thread of this process, in ns (-1: unknown)."""
+    """Cumulative run-queue wait and time on a CPU of one thread, in ns (-1: unknown)."""
 
-    __slots__ = ("_fd", "_prev_t", "_prev_v", "_t", "_v")
+    __slots__ = ("_cpu", "_fd", "_prev_cpu", "_prev_t", "_prev_v", "_t", "_v")
 
     def __init__(self, tid: int) -> None:
         self._fd = -1
@@ -46,9 +49,11 @@ class RunQueueWait:
             self._fd = os.open(f"/proc/self/task/{tid}/schedstat", os.O_RDONLY)
         except OSError:
             pass  # no /proc, or no schedstats in this kernel: stay at -1
-        # The two latest readings: (monotonic ns, cumulative wait ns).
+        # The two latest readings: (monotonic ns, cumulative wait ns, cumulative
+        # ns on a CPU).
         self._prev_t = self._t = 0
         self._prev_v = self._v = -1
+        self._prev_cpu = self._cpu = -1
 
     @property
     def available(self) -> bool:
@@ -80,20 +85,31 @@ class RunQueueWait:
         return -1 if stat is None else stat[0] + stat[1]
 
     def sample(self, now_ns: int) -> None:
-        """Take a reading at ``now_ns`` (monotonic); at() interpolates between the last two."""
-        value = self.read()
-        if value < 0:
-            self._prev_v = self._v = -1
+        """Take a reading at ``now_ns`` (monotonic); at() and cpu_at() interpolate
+        between the last two."""
+        stat = self._stat()
+        if stat is None:
+            self._prev_v = self._v = self._prev_cpu = self._cpu = -1
             return
         if self._v < 0:
-            self._prev_t, self._prev_v = now_ns, value
+            self._prev_t, self._prev_v, self._prev_cpu = now_ns, stat[1], stat[0]
         else:
-            self._prev_t, self._prev_v = self._t, self._v
-        self._t, self._v = now_ns, value
+            self._prev_t, self._prev_v, self._prev_cpu = self._t, self._v, self._cpu
+        self._t, self._v, self._cpu = now_ns, stat[1], stat[0]
 
     def at(self, t_ns: int) -> int:
         """The wait at ``t_ns`` (monotonic, at most the last reading's time); -1 if unknown."""
-        v, prev = self._v, self._prev_v
+        return self._between(t_ns, self._prev_v, self._v)
+
+    def cpu_at(self, t_ns: int) -> int:
+        """The time on a CPU at ``t_ns``, as at() reads the wait; -1 if unknown.
+
+        Measured, where the step's own work less its wait is a small difference
+        of two large numbers on a starved rank (the contention rule's reason).
+        """
+        return self._between(t_ns, self._prev_cpu, self._cpu)
+
+    def _between(self, t_ns: int, prev: int, v: int) -> int:
         if v < 0:
             return -1
         t0, t1 = self._prev_t, self._t

@@ -81,7 +81,7 @@ def test_a_thread_with_no_schedstat_reads_as_unknown_everywhere() -> None:
     reader.sample(1_000)
     reader.sample(2_000)
     assert not reader.available
-    assert reader.read() == -1 and reader.at(1_500) == -1
+    assert reader.read() == -1 and reader.at(1_500) == -1 and reader.cpu_at(1_500) == -1
 
 
 @needs_proc
@@ -99,6 +99,34 @@ def test_the_wait_at_a_step_s_end_lies_between_the_readings_around_it() -> None:
         # A step that ended before the earlier reading gets that reading; a
         # later time than the last reading gets the last one.
         assert reader.at(0) == first and reader.at(3_000_000) == last
+    finally:
+        reader.close()
+
+
+@needs_proc
+def test_the_cpu_time_at_a_step_s_end_is_the_thread_s_own_and_lies_between_readings() -> None:
+    # What the contention rule compares across ranks: time on a CPU, measured,
+    # from the same reading as the wait.
+    tid = threading.get_native_id()
+    reader = RunQueueWait(tid)
+    try:
+        low = _raw(tid)[0]
+        reader.sample(1_000_000)
+        first = reader.cpu_at(1_000_000)
+        _spin(0.05)
+        reader.sample(2_000_000)
+        last = reader.cpu_at(2_000_000)
+        high = _raw(tid)[0]
+        assert low <= first <= last <= high
+        # 50 ms spun: on a CPU for most of it, however loaded the host.
+        assert last - first > 0.01e9
+        inside = [reader.cpu_at(t) for t in range(1_000_000, 2_000_001, 100_000)]
+        assert inside[0] == first and inside[-1] == last and inside == sorted(inside)
+        assert reader.cpu_at(500_000) == first and reader.cpu_at(9_000_000) == last
+        time.sleep(0.05)
+        reader.sample(3_000_000)
+        # Asleep: off the CPU (a few us of waking up at most).
+        assert reader.cpu_at(3_000_000) - last < 0.01e9
     finally:
         reader.close()
 
