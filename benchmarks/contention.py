@@ -2,7 +2,7 @@
 
 Lockstep streams (tests/support/synth.py, ~100 ms steps, +-30 % jitter per
 rank, phase and step, 3 % single-step spikes x3) whose steps carry the
-run-queue wait a rank sends (``Step.rq_wait_ns``). Per seed, each case is
+run-queue wait and CPU time a rank sends (``Step.rq_wait_ns``, ``cpu_ns``). Per seed, each case is
 analysed with StragglerDetector as the watcher runs it, and again with the
 readings stripped (-1: an older rank side), so that the two columns differ
 only in what the readings tell:
@@ -65,7 +65,10 @@ def own(s: Step) -> int:
 
 def analyse(msgs: list[Message], readings: bool) -> Analysis:
     if not readings:
-        msgs = [dataclasses.replace(m, rq_wait_ns=-1) if isinstance(m, Step) else m for m in msgs]
+        msgs = [
+            dataclasses.replace(m, rq_wait_ns=-1, cpu_ns=-1) if isinstance(m, Step) else m
+            for m in msgs
+        ]
     return feed(Analysis(detectors=[StragglerDetector()]), msgs)
 
 
@@ -78,7 +81,10 @@ def noisy(seed: int, base: Phases = BASE) -> Timing:
 
 
 def run(world: int, steps: int, timing: Timing, wait: Callable[[Step], int]) -> list[Message]:
-    return with_run_queue([*run_infos(world), *lockstep(world, steps, timing)], wait)
+    """The run's messages, each step with its wait and its time on a CPU: the rest
+    of its own work (every wait here falls inside own work)."""
+    msgs = [*run_infos(world), *lockstep(world, steps, timing)]
+    return with_run_queue(msgs, wait, lambda s: max(0, own(s) - wait(s)))
 
 
 def both(msgs: list[Message], kind: str) -> tuple[list[Any], list[Any]]:

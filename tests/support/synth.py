@@ -576,18 +576,28 @@ def with_collectives(
     return out
 
 
-def with_run_queue(msgs: Iterable[Message], wait: Callable[[Step], int]) -> list[Message]:
+def with_run_queue(
+    msgs: Iterable[Message],
+    wait: Callable[[Step], int],
+    cpu: Callable[[Step], int] | None = None,
+) -> list[Message]:
     """The messages with each step carrying its rank's run-queue wait (``rq_wait_ns``).
 
     ``wait(step)`` is the time that step's rank was runnable but waiting for a
-    CPU during it (ns); the field holds the running total, as a rank sends it.
+    CPU during it (ns); ``cpu(step)``, where given, its time on a CPU
+    (``cpu_ns``; else the step carries none, as an older sender's). The fields
+    hold the running totals, as a rank sends them.
     """
-    total: dict[int, int] = {}
+    waited: dict[int, int] = {}
+    ran: dict[int, int] = {}
     out: list[Message] = []
     for m in msgs:
         if isinstance(m, Step):
-            total[m.rank] = total.get(m.rank, 0) + wait(m)
-            m = dataclasses.replace(m, rq_wait_ns=total[m.rank])
+            waited[m.rank] = waited.get(m.rank, 0) + wait(m)
+            m = dataclasses.replace(m, rq_wait_ns=waited[m.rank])
+            if cpu is not None:
+                ran[m.rank] = ran.get(m.rank, 0) + cpu(m)
+                m = dataclasses.replace(m, cpu_ns=ran[m.rank])
         out.append(m)
     return out
 

@@ -193,6 +193,126 @@ def test_steps_without_run_queue_readings_keep_the_straggler() -> None:
     assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
 
 
+def cpu_readings(
+    wait: Callable[[Step], int], outside: Callable[[Step], int] = lambda s: 0
+) -> Callable[[Step], int]:
+    """Each step's time on a CPU: its own work less the part of its wait inside it
+    (``outside(step)`` of the wait fell in the step's collectives instead)."""
+    return lambda s: max(0, own(s) - (wait(s) - outside(s)))
+
+
+def analyse_with_cpu(
+    timing: Callable[[int, int], Phases],
+    wait: Callable[[Step], int],
+    cpu: Callable[[Step], int] | None,
+    steps: int = 200,
+) -> Analysis:
+    msgs = with_run_queue([*run_infos(2), *lockstep(2, steps, timing)], wait, cpu)
+    return feed(Analysis(detectors=[StragglerDetector()]), msgs)
+
+
+def wakeups(s: Step) -> int:
+    """A loaded host's wake-ups: the ranks that wait for the slow one in each
+    collective wait for a CPU after it too, outside their own work, ~60% of the
+    base step's own work (their wait then reads most of their own work)."""
+    return BASE.total * 6 // 10 if s.rank != SLOW else 0
+
+
+def starved_and_woken(s: Step) -> int:
+    # From ONSET on, 2 of its 3x own work is waiting: on a CPU it keeps pace.
+    inside = own(s) * 2 // 3 if s.rank == SLOW and s.step >= ONSET else 0
+    return inside + wakeups(s)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_measured_cpu_time_names_a_starved_rank_whose_estimate_reads_slow(seed: int) -> None:
+    # The others' wait holds their wake-ups from the collectives they wait in,
+    # outside their own work: their own work less wait, the estimate's divisor,
+    # shrinks to 40%, and the starved rank reads 2.5x on a CPU (the shape of the
+    # clean-clone CI failure). Its time on a CPU says it keeps pace.
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=3.0)
+    blind = kinds(analyse_with_cpu(slow, starved_and_woken, None))
+    assert ("straggler", "warning", [SLOW], True) in blind
+    analysis = analyse_with_cpu(slow, starved_and_woken, cpu_readings(starved_and_woken, wakeups))
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
+    assert findings(analysis)[0].evidence["on_cpu_ratio"] < 1.15
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_starved_rank_that_also_sleeps_is_a_straggler_with_cpu_readings(seed: int) -> None:
+    # 130 ms of its extra 230 ms is waiting for a CPU, the rest a sleep: its CPU
+    # time is the others', but a CPU of its own would not take the sleep away
+    # (2x without the wait).
+    sleepy = straggler(noisy(seed), SLOW, start=ONSET, extra_ns={"other": 230 * MS})
+
+    def wait(s: Step) -> int:
+        return own(s) // 20 + (130 * MS if s.rank == SLOW and s.step >= ONSET else 0)
+
+    def cpu(s: Step) -> int:
+        blocked = 100 * MS if s.rank == SLOW and s.step >= ONSET else 0
+        return own(s) - wait(s) - blocked
+
+    analysis = analyse_with_cpu(sleepy, wait, cpu)
+    assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_starved_rank_whose_starvation_costs_it_cpu_time_too_is_contention(seed: int) -> None:
+    # Its CPU time for the same work is 1.8x the other's (caches refilled after
+    # each of its many timeslices: the starved e2e job's rank read 1.36x over a
+    # window; more here, to stay clear of the straggler score through the noise),
+    # and its wait, wake-ups from collectives included, explains all of its extra
+    # own work, as it did there (101-125%).
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=3.0)
+
+    def starved_here(s: Step) -> bool:
+        return s.rank == SLOW and s.step >= ONSET
+
+    def outside(s: Step) -> int:
+        return own(s) * 3 // 10 if starved_here(s) else 0
+
+    def wait(s: Step) -> int:
+        # 3x own work: 1.8 of it on a CPU, 1.2 waiting, and 0.9 more after collectives.
+        return own(s) * 4 // 10 + outside(s) if starved_here(s) else 0
+
+    analysis = analyse_with_cpu(slow, wait, cpu_readings(wait, outside))
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
+    ev = findings(analysis)[0].evidence
+    assert ev["on_cpu_ratio"] > 1.33 and ev["explained_pct"] > 80
+
+
+def test_a_busy_loop_on_a_host_giving_every_thread_a_twentieth_of_a_core_is_contention() -> None:
+    # Past the documented boundary (a tenth): 95% of its extra own work is
+    # waiting, as is 95% of everyone's; the contention is what slows the job
+    # most, and is named.
+    share = 0.05
+    loaded = straggler(noisy(3, BASE.scaled(1 / share)), SLOW, start=ONSET, factor=2.0)
+
+    def wait(s: Step) -> int:
+        return int(own(s) * (1 - share))
+
+    analysis = analyse_with_cpu(loaded, wait, cpu_readings(wait))
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
+    assert findings(analysis)[0].evidence["on_cpu_ratio"] > 1.5
+
+
+@pytest.mark.parametrize("share", [0.3, 0.17])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_busy_loop_is_a_straggler_by_its_cpu_time_where_every_rank_waits(
+    seed: int, share: float
+) -> None:
+    # At 17% of a core each, 83% of its extra own work is wait: as much as the
+    # busy-looping rank of the e2e test read on the loaded test machine.
+    loaded = straggler(noisy(seed, BASE.scaled(1 / share)), SLOW, start=ONSET, factor=2.0)
+
+    def wait(s: Step) -> int:
+        return int(own(s) * (1 - share))
+
+    analysis = analyse_with_cpu(loaded, wait, cpu_readings(wait))
+    assert kinds(analysis) == [("straggler", "warning", [SLOW], True)]
+    assert findings(analysis)[0].evidence.get("renamed_to") is None
+
+
 #: A real recording (tests/jobs/starved_job.py --starve 1, 2 ranks, 120 steps) made
 #: during a full test-suite run, whose other jobs starved rank 0 too, in bursts.
 UNDER_LOAD = Path(__file__).parent / "recordings" / "starved-under-suite-load"

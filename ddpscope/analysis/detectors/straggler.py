@@ -378,11 +378,10 @@ class StragglerDetector:
         if (
             flag.kind == KIND
             and isinstance(starved, contention.Starved)
-            and starved.on_cpu_ratio < self.release
+            and contention.clearly_starved(starved, self.release)
         ):
-            # Named on a window the run queue did not explain; this one does, and on
-            # a CPU the rank keeps pace (the release margin, so a rank near the line
-            # is not renamed back and forth).
+            # Named on a window the run queue did not explain; this one does, with
+            # margins, so that a rank near the line is not renamed back and forth.
             self._recovered(r, v, step, flag, book, starved=True)
             flag = memo.flagged[r] = _Flag(
                 step, step, onset=_onset(win, self.persist), kind=contention.KIND
