@@ -238,6 +238,37 @@ def test_the_measured_cpu_time_names_a_starved_rank_whose_estimate_reads_slow(se
     assert findings(analysis)[0].evidence["on_cpu_ratio"] < 1.15
 
 
+STOP_STEP = ONSET + 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stop_of_the_whole_host_in_one_starved_step_is_not_taken_for_a_sleep(seed: int) -> None:
+    # The starved rank (3x its own work, 2 of it waiting: on a CPU at the others'
+    # pace) loses 1.5 s at one step in which neither its wait nor its CPU time
+    # grew: the VM stopped (seen: 220 ms in one step of the starved e2e job's first
+    # window). Summed, that reads as time blocked by choice, ~2x on a CPU; it is
+    # one step of the window.
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=3.0)
+    stop = 1500 * MS
+
+    def timing(r: int, step: int) -> Phases:
+        p = slow(r, step)
+        return p.plus(other=stop) if r == SLOW and step == STOP_STEP else p
+
+    def stopped(s: Step) -> int:
+        return stop if s.rank == SLOW and s.step == STOP_STEP else 0
+
+    def wait(s: Step) -> int:
+        starving = s.rank == SLOW and s.step >= ONSET
+        return (own(s) - stopped(s)) * 2 // 3 if starving else own(s) // 20
+
+    def cpu(s: Step) -> int:
+        return own(s) - wait(s) - stopped(s)
+
+    analysis = analyse_with_cpu(timing, wait, cpu)
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_a_starved_rank_that_also_sleeps_is_a_straggler_with_cpu_readings(seed: int) -> None:
     # 130 ms of its extra 230 ms is waiting for a CPU, the rest a sleep: its CPU
@@ -258,22 +289,22 @@ def test_a_starved_rank_that_also_sleeps_is_a_straggler_with_cpu_readings(seed: 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_a_starved_rank_whose_starvation_costs_it_cpu_time_too_is_contention(seed: int) -> None:
-    # Its CPU time for the same work is 1.8x the other's (caches refilled after
+    # Its CPU time for the same work is 1.6x the other's (caches refilled after
     # each of its many timeslices: the starved e2e job's rank read 1.36x over a
     # window; more here, to stay clear of the straggler score through the noise),
     # and its wait, wake-ups from collectives included, explains all of its extra
-    # own work, as it did there (101-125%).
+    # own work, as it did there (100-129%).
     slow = straggler(noisy(seed), SLOW, start=ONSET, factor=3.0)
 
     def starved_here(s: Step) -> bool:
         return s.rank == SLOW and s.step >= ONSET
 
     def outside(s: Step) -> int:
-        return own(s) * 3 // 10 if starved_here(s) else 0
+        return own(s) * 4 // 15 if starved_here(s) else 0
 
     def wait(s: Step) -> int:
-        # 3x own work: 1.8 of it on a CPU, 1.2 waiting, and 0.9 more after collectives.
-        return own(s) * 4 // 10 + outside(s) if starved_here(s) else 0
+        # 3x own work: 1.6 of it on a CPU, 1.4 waiting, and 0.8 more after collectives.
+        return own(s) * 7 // 15 + outside(s) if starved_here(s) else 0
 
     analysis = analyse_with_cpu(slow, wait, cpu_readings(wait, outside))
     assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
@@ -281,19 +312,22 @@ def test_a_starved_rank_whose_starvation_costs_it_cpu_time_too_is_contention(see
     assert ev["on_cpu_ratio"] > 1.33 and ev["explained_pct"] > 80
 
 
-def test_a_busy_loop_on_a_host_giving_every_thread_a_twentieth_of_a_core_is_contention() -> None:
-    # Past the documented boundary (a tenth): 95% of its extra own work is
-    # waiting, as is 95% of everyone's; the contention is what slows the job
-    # most, and is named.
+@pytest.mark.parametrize(("factor", "kind"), [(1.5, "cpu_contention"), (2.5, "straggler")])
+def test_on_a_host_giving_every_thread_a_twentieth_of_a_core_more_work_is_named_by_its_size(
+    factor: float, kind: str
+) -> None:
+    # 95% of its extra own work is waiting, as is 95% of everyone's. Past the
+    # documented boundary (a tenth of a core): 1.5x more work is within what
+    # starvation itself can cost on a CPU, and the contention, what slows the job
+    # most, is named; 2.5x is more than that, and the straggler is.
     share = 0.05
-    loaded = straggler(noisy(3, BASE.scaled(1 / share)), SLOW, start=ONSET, factor=2.0)
+    loaded = straggler(noisy(3, BASE.scaled(1 / share)), SLOW, start=ONSET, factor=factor)
 
     def wait(s: Step) -> int:
         return int(own(s) * (1 - share))
 
     analysis = analyse_with_cpu(loaded, wait, cpu_readings(wait))
-    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
-    assert findings(analysis)[0].evidence["on_cpu_ratio"] > 1.5
+    assert [(f.kind, f.ranks, f.active) for f in findings(analysis)] == [(kind, [SLOW], True)]
 
 
 @pytest.mark.parametrize("share", [0.3, 0.17])
