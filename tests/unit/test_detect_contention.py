@@ -335,7 +335,7 @@ def test_on_a_host_giving_every_thread_a_twentieth_of_a_core_more_work_is_named_
 def test_a_busy_loop_is_a_straggler_by_its_cpu_time_where_every_rank_waits(
     seed: int, share: float
 ) -> None:
-    # At 17% of a core each, 83% of its extra own work is wait: as much as the
+    # At 17% of a core each, 83% of its extra own work is wait: about as much as the
     # busy-looping rank of the e2e test read on the loaded test machine.
     loaded = straggler(noisy(seed, BASE.scaled(1 / share)), SLOW, start=ONSET, factor=2.0)
 

@@ -63,10 +63,10 @@ EXPLAINED = 0.5
 #: Explained this far, it is starved at a pace on a CPU up to STARVATION_COST:
 #: starvation costs CPU time too (caches refilled after each of its many
 #: timeslices). The starved e2e job's rank, whose wait explained 88-149% of its
-#: extra own work (379 windows of 33 runs beside the suite's jobs), used 1.36x the
+#: extra own work (415 windows of 42 runs beside the suite's jobs), used 1.36x the
 #: other rank's CPU time for the same work over one window; the busy-looping rank
-#: of the same tests, on the same loaded host, had up to 83% of its extra own work
-#: explained, at a pace of 2.9-7.2x (21 runs).
+#: of the same tests, on the same loaded host, had up to 84% of its extra own work
+#: explained, at a pace of 2.9-7.5x (30 runs).
 DOMINANT = 0.9
 #: The most CPU time starvation itself is taken to cost, as a pace on a CPU.
 STARVATION_COST = 1.75
