@@ -35,16 +35,17 @@ more, in proportion (a 2x busy loop on a host giving each thread 30% of a
 core: ``extra`` is 70% of ``excess``, yet on a CPU it is still 2x). On a
 host giving every thread a tenth of a core or less, a rank computing up to
 1.75x more is named ``cpu_contention`` (its extra wait explains 90% of its
-extra time): the contention is then what slows the job most. A rank that sleeps or
-blocks by choice (``time.sleep``, slow I/O) is off the CPU without waiting
-in a run queue: ``extra`` stays near 0 and it is named a straggler.
+extra time): the contention is then what slows the job most. A rank that
+sleeps or blocks by choice (``time.sleep``, slow I/O) is off the CPU
+without waiting in a run queue: ``extra`` stays near 0 and it is named a
+straggler.
 
 The others' run-queue wait includes their wake-ups from the collective
 they wait in (not in their own work), which lowers ``extra`` and leans the
 rule to "straggler"; their measured CPU time keeps it out of the pace's
 divisor. Where the wait readings are missing (-1: no ``/proc``, older
 senders or recordings) the rule does not apply; where only the CPU time is
-(senders before it was added), the pace is estimated.
+missing (senders before it was added), the pace is estimated.
 """
 
 from __future__ import annotations
