@@ -335,9 +335,7 @@ class Publisher:
             q.popleft()
             fields.setdefault("t", born)
             if kind == Step.KIND:
-                t_end = fields.get("t_end", now)
-                fields["rq_wait_ns"] = self._run_queue.at(t_end)
-                fields["cpu_ns"] = self._run_queue.cpu_at(t_end)
+                self._run_queue.stamp(fields, now)
                 steps += 1
             items += 1
             self._emit(kind, model, fields, record=True)

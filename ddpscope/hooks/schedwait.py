@@ -27,6 +27,7 @@ error is at most one tick's wait at each end.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 #: Bytes read per sample: three decimal counters and a newline fit in far less.
 _READ = 128
@@ -108,6 +109,13 @@ class RunQueueWait:
         of two large numbers on a starved rank (the contention rule's reason).
         """
         return self._between(t_ns, self._prev_cpu, self._cpu)
+
+    def stamp(self, step: dict[str, Any], now_ns: int) -> None:
+        """Set a step's ``rq_wait_ns`` and ``cpu_ns`` to the readings at its end
+        (``now_ns`` where it has none)."""
+        t_end = step.get("t_end", now_ns)
+        step["rq_wait_ns"] = self.at(t_end)
+        step["cpu_ns"] = self.cpu_at(t_end)
 
     def _between(self, t_ns: int, prev: int, v: int) -> int:
         if v < 0:

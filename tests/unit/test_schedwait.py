@@ -123,6 +123,14 @@ def test_the_cpu_time_at_a_step_s_end_is_the_thread_s_own_and_lies_between_readi
         inside = [reader.cpu_at(t) for t in range(1_000_000, 2_000_001, 100_000)]
         assert inside[0] == first and inside[-1] == last and inside == sorted(inside)
         assert reader.cpu_at(500_000) == first and reader.cpu_at(9_000_000) == last
+        # What the publisher puts on a step: both readings at its end.
+        step = {"t_end": 1_500_000}
+        reader.stamp(step, 2_000_000)
+        assert step == {
+            "t_end": 1_500_000,
+            "rq_wait_ns": reader.at(1_500_000),
+            "cpu_ns": reader.cpu_at(1_500_000),
+        }
         time.sleep(0.05)
         reader.sample(3_000_000)
         # Asleep: off the CPU (a few us of waking up at most).
