@@ -30,6 +30,7 @@ from ddpscope.hooks.schedwait import RunQueueWait
 from ddpscope.hooks.signalwake import GRACE_S as SIGNAL_GRACE_S
 from ddpscope.hooks.signalwake import SignalWake, StopWake
 from ddpscope.hooks.stacks import all_thread_stacks
+from ddpscope.hooks.subscribehold import SubscribeHold
 from ddpscope.hooks.tickpace import TickPace
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import (
@@ -54,16 +55,8 @@ Finisher = Callable[[Any, bool], "dict[str, Any] | None"]
 #: Produces (kind, model, fields) to re-send periodically, e.g. run info.
 Periodic = Callable[[], "list[tuple[str, int, dict[str, Any]]]"]
 
-#: At start, the thread holds its first sends this long at most for the
-#: watcher's (or relay's) subscription: ZeroMQ discards what a PUB sends before
-#: it, so a run's first messages would otherwise be lost to a listening peer.
-#: Only the sends wait: records are written at once, and the hot-path queue is
-#: drained as always (a rank killed in its first half second leaves a file).
-CONNECT_GRACE_S = 0.5
 #: A rank answers each kind of request (stacks, fingerprint) at most this often.
 REQUEST_EVERY_S = 0.5
-#: Sends held in the grace period at most (beyond: counted as dropped sends).
-HOLD_MAX = 4096
 #: At close, how long ZeroMQ may still write what was sent to a connected peer.
 #: With 0 the messages the I/O thread had not written yet were discarded: under
 #: load a rank's last 17 messages, its End among them, never left (a relay test
@@ -150,9 +143,8 @@ class Publisher:
         self._last_served: dict[str, float] = {}
         #: Subscription notices from the watcher or relay (0: nobody subscribed yet).
         self.subscriptions = 0
-        #: Payloads waiting for the first subscription (None: not holding any more).
-        self._held: list[bytes] | None = []
-        self._hold_until = 0.0
+        #: The first sends, waiting for the first subscription.
+        self._hold = SubscribeHold(time.monotonic())
         self.error = ""
         self._stuck_key: tuple[str, int] | None = None
         self._writer: RecordWriter | None = None
@@ -166,13 +158,14 @@ class Publisher:
         # messages to an unauthenticated peer are discarded by ZeroMQ, and the
         # monitor sockets let this thread count and log each failure.
         self.handshakes = HandshakeWatch(f"rank {rank}", curve=keys is not None, server=False)
-        self._pub = rank_publisher(self._ctx, opts.endpoint, opts.sndhwm, keys=keys)
+        self._pub = rank_publisher(self._ctx, opts.endpoint, opts.sndhwm, keys, connect=False)
         self._keys = keys
         self._ctl = rank_control(self._ctx, opts.resolved_control_endpoint(), keys=keys)
         self._monitors = [
-            self.handshakes.watch(self._pub, opts.endpoint),
+            self.handshakes.watch(self._pub, opts.endpoint, disconnects=True, connects=True),
             self.handshakes.watch(self._ctl, opts.resolved_control_endpoint(), disconnects=True),
         ]
+        self._pub.connect(opts.endpoint)  # watched first: its connection is an event
         #: Times the control socket was made anew after its connection dropped.
         self.control_reconnects = 0
         self._thread = threading.Thread(target=self._run, name="ddpscope-publisher", daemon=True)
@@ -238,7 +231,6 @@ class Publisher:
         try:
             now = time.monotonic()
             next_beat = next_tick = next_resend = now
-            self._hold_until = now + CONNECT_GRACE_S
             pace = TickPace(now, self._cap)
             poller = self._poller = zmq.Poller()
             poller.register(self._ctl, zmq.POLLIN)
@@ -254,8 +246,8 @@ class Publisher:
                 # Sleep to the nearest deadline: the tick, a heartbeat, a re-send,
                 # the end of the connect grace or of a stop signal's grace.
                 due = min(next_tick, next_beat, next_resend)
-                if self._held is not None:
-                    due = min(due, self._hold_until)
+                if self._hold.holding:
+                    due = min(due, self._hold.deadline())
                 if signalled is not None:
                     due = min(due, signalled[1] + SIGNAL_GRACE_S)
                 timeout_ms = max(0, math.ceil((due - time.monotonic()) * 1000))
@@ -278,9 +270,7 @@ class Publisher:
                     signum, signalled = signalled[0], None
                     if handler is not None:
                         handler(signum)  # ends the process unless the main thread got there
-                if self._held is not None and (
-                    self.subscriptions or time.monotonic() >= self._hold_until
-                ):
+                if self._hold.over(time.monotonic(), self.subscriptions > 0):
                     self._release_held()
                 now = time.monotonic()
                 if now >= next_tick or now >= next_beat:  # a heartbeat never runs ahead of steps
@@ -298,9 +288,16 @@ class Publisher:
             self._fail(exc)
 
     def _release_held(self) -> None:
-        held, self._held = self._held or [], None
-        for payload in held:
+        for payload in self._hold.release():
             self._send(payload)
+
+    def _await_subscription(self) -> None:
+        """At close, still holding: a connected peer's subscription, briefly."""
+        end = time.monotonic() + self._hold.close_wait(time.monotonic())
+        while not self.subscriptions and self._hold.peer and time.monotonic() < end:
+            if self._pub.poll(50, zmq.POLLIN):
+                self._read_subscriptions()
+            self._check_handshakes()
 
     def _read_subscriptions(self) -> None:
         # Subscribe/unsubscribe notices from the peer; reading them is all that
@@ -356,10 +353,8 @@ class Publisher:
         payload = encode_fields(kind, fields)
         if record and self._writer is not None:
             self._unwritten.append(payload)
-        if self._held is not None:
-            if len(self._held) < HOLD_MAX:
-                self._held.append(payload)
-            else:
+        if self._hold.holding:
+            if not self._hold.hold(payload):
                 self.dropped_send += 1
             return
         self._send(payload)
@@ -471,6 +466,7 @@ class Publisher:
     def _check_handshakes(self) -> None:
         if self.handshakes.poll():
             self.error = f"cannot deliver telemetry: {self.handshakes.last_error}"
+        self._hold.peer = self._pub in self.handshakes.connected
 
     def _serve_requests(self) -> None:
         for _ in range(16):  # bounded: a flood cannot starve the rest of the loop
@@ -521,8 +517,9 @@ class Publisher:
             end = {"reason": reason, "step": self.state.step, "error": error}
             self._emit(End.KIND, 0, end, True)
             self._write_records()
-            if self._held is not None:  # a job shorter than the grace period
+            if self._hold.holding:  # a job shorter than the hold
                 self._read_subscriptions()
+                self._await_subscription()
                 self._release_held()
         except Exception:  # exit must never fail because of ddpscope
             pass

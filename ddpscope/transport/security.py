@@ -393,14 +393,20 @@ class HandshakeWatch:
     #: Watched sockets (watch(..., disconnects=True)) whose connection dropped
     #: since the owner last cleared this.
     disconnected: set[zmq.Socket] = field(default_factory=set)
+    #: Watched sockets (watch(..., connects=True)) with a connection up whose
+    #: handshake has not failed.
+    connected: set[zmq.Socket] = field(default_factory=set)
     _logged_at: float = -1e9
     _logged_reason: str = ""
     _precise: bool = False
 
-    def watch(self, sock: zmq.Socket, endpoint: str, disconnects: bool = False) -> zmq.Socket:
-        """Watch ``sock``'s handshakes (and, if asked, its disconnections); returns the
-        monitor socket to poll."""
+    def watch(
+        self, sock: zmq.Socket, endpoint: str, disconnects: bool = False, connects: bool = False
+    ) -> zmq.Socket:
+        """Watch ``sock``'s handshakes (and, if asked, its disconnections and
+        connections); returns the monitor socket to poll."""
         events = WATCHED_EVENTS | (zmq.EVENT_DISCONNECTED if disconnects else 0)
+        events |= zmq.EVENT_CONNECTED if connects else 0
         mon = sock.get_monitor_socket(events)
         self.monitors.append((sock, mon, endpoint))
         return mon
@@ -414,6 +420,7 @@ class HandshakeWatch:
             entry[1].close(linger=0)
             self.monitors.remove(entry)
         self.disconnected.discard(sock)
+        self.connected.discard(sock)
 
     def poll(self) -> int:
         """Read pending events; returns how many handshakes failed among them."""
@@ -435,7 +442,12 @@ class HandshakeWatch:
                     continue
                 if evt["event"] == zmq.EVENT_DISCONNECTED:
                     self.disconnected.add(sock)
+                    self.connected.discard(sock)
                     continue
+                if evt["event"] == zmq.EVENT_CONNECTED:
+                    self.connected.add(sock)
+                    continue
+                self.connected.discard(sock)
                 failed += 1
                 self.failures += 1
                 reason = explain_failure(evt["event"], evt["value"], self.curve, self.server)

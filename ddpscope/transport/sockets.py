@@ -28,14 +28,20 @@ def _secure(sock: zmq.Socket, server: ServerKeys | None, client: ClientKeys | No
 
 
 def rank_publisher(
-    ctx: zmq.Context, endpoint: str, sndhwm: int, keys: ClientKeys | None = None
+    ctx: zmq.Context,
+    endpoint: str,
+    sndhwm: int,
+    keys: ClientKeys | None = None,
+    connect: bool = True,
 ) -> zmq.Socket:
     """PUB that connects to the watcher: never blocks, never holds exit open.
 
     An XPUB, which sends like a PUB and also hands the subscriptions it gets to
     the application: the publisher holds its first messages until the watcher's
     (or relay's) subscription has arrived, instead of losing them to the
-    moment between connecting and being subscribed.
+    moment between connecting and being subscribed. ``connect=False``: the
+    caller connects it to ``endpoint`` (after attaching a monitor, which sees
+    only the events after it).
     """
     sock = ctx.socket(zmq.XPUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -44,7 +50,8 @@ def rank_publisher(
     # dropping silently, so every drop is counted.
     sock.setsockopt(zmq.XPUB_NODROP, 1)
     _secure(sock, None, keys)
-    sock.connect(endpoint)
+    if connect:
+        sock.connect(endpoint)
     return sock
 
 

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from ddpscope.config import load
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.record import open_run
-from ddpscope.schema import End, Heartbeat, Stacks
+from ddpscope.schema import End, Heartbeat, Stacks, decode
 from ddpscope.transport.subscriber import Subscriber
 
 
@@ -208,6 +210,80 @@ def test_first_messages_wait_for_the_watchers_subscription_instead_of_being_lost
         pub.close()
     assert got == list(range(50))  # seq 0 on: nothing lost to the connection's first moment
     assert pub.subscriptions >= 1
+
+
+class _LateSubscriber:
+    """A bound peer that connects at once but subscribes only when told: what a
+    watcher whose handshake is slow on a loaded host looks like to a rank."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.XSUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+
+    def subscribe(self) -> None:
+        self.sock.send(b"\x01")  # XSUB: a subscription to every topic
+
+    def early_seqs(self, n: int, timeout: float = 10.0) -> list[int]:
+        got: list[int] = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < deadline:
+            if self.sock.poll(100):
+                msg = decode(self.sock.recv())
+                if isinstance(msg, End) and msg.reason == "early":
+                    got.append(msg.seq)
+        return got
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def _connected_with_early_posts(endpoint: str, n: int) -> Publisher:
+    """A started publisher with ``n`` first messages, once its peer's connection is up."""
+    pub = _publisher(endpoint)
+    for i in range(n):
+        pub.post("end", 0, {"reason": "early", "step": i})
+    pub.start()
+    deadline = time.monotonic() + 10
+    while not pub._hold.peer and time.monotonic() < deadline:
+        time.sleep(0.01)
+    hs = pub.handshakes
+    assert pub._hold.peer, (pub.error, pub._thread.is_alive(), hs.succeeded, hs.failures)
+    return pub
+
+
+def test_first_sends_wait_past_the_grace_for_a_connected_watcher_that_subscribes_late(
+    endpoint: str,
+) -> None:
+    late = _LateSubscriber(endpoint)
+    try:
+        pub = _connected_with_early_posts(endpoint, 50)  # connected, not subscribed
+        time.sleep(1.5)  # three times the grace a peer that never connects gets
+        assert pub.sent == 0, "still held for the connected peer"
+        late.subscribe()
+        got = late.early_seqs(50)
+        pub.close()
+    finally:
+        late.close()
+    assert got == list(range(50))
+
+
+def test_a_rank_closing_before_a_connected_watcher_subscribed_waits_for_it_briefly(
+    endpoint: str,
+) -> None:
+    """A job shorter than the hold: the whole run in the first second."""
+    late = _LateSubscriber(endpoint)
+    try:
+        pub = _connected_with_early_posts(endpoint, 16)
+        subscriber = threading.Timer(0.4, late.subscribe)
+        subscriber.start()
+        pub.close()  # before the subscription: it waits for it, at most a second
+        subscriber.join()
+        got = late.early_seqs(16)
+    finally:
+        late.close()
+    assert got == list(range(16))
 
 
 def test_a_watcher_that_never_comes_delays_the_first_sends_only_briefly(
