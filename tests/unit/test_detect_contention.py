@@ -308,8 +308,12 @@ def test_a_starved_rank_whose_starvation_costs_it_cpu_time_too_is_contention(see
 
     analysis = analyse_with_cpu(slow, wait, cpu_readings(wait, outside))
     assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
-    ev = findings(analysis)[0].evidence
+    (f,) = findings(analysis)
+    ev = f.evidence
     assert ev["on_cpu_ratio"] > 1.33 and ev["explained_pct"] > 80
+    # Not "keeps pace": it says what its pace is, and why.
+    assert f"on a CPU its own work takes {ev['on_cpu_ratio']:.2f}x theirs" in f.message
+    assert "keeps pace" not in f.message
 
 
 @pytest.mark.parametrize(("factor", "kind"), [(1.5, "cpu_contention"), (2.5, "straggler")])

@@ -300,16 +300,27 @@ def _on(host: str) -> str:
     return f" on host {host}" if host else ""
 
 
+#: A pace on a CPU from which message() says what it costs instead of "keeps pace".
+SAYS_PACE = 1.15
+
+
 def message(r: int, s: Starved) -> str:
     n = s.steps
+    if s.on_cpu_ratio < SAYS_PACE:
+        rest = "the rest of its own work keeps pace with theirs."
+    else:
+        # Starvation costs CPU too (DOMINANT): say how much, not "keeps pace".
+        rest = (
+            f"on a CPU its own work takes {s.on_cpu_ratio:.2f}x theirs, what starvation "
+            "itself costs (caches refilled after each of its many timeslices)."
+        )
     return (
         f"rank {r} waits for a CPU{_on(s.host)}: runnable but not running "
         f"{_ms(s.extra / n):.1f} ms/step more than the other ranks, "
         f"{min(100.0, 100 * s.extra / s.excess):.0f}% of its extra "
         f"{_ms(s.excess / n):.1f} ms/step of own work ({_ms(s.own / n):.1f} ms vs "
         f"{_ms(s.ref / n):.1f} ms). Not a straggler of the job's making: other "
-        f"processes{_on(s.host)} hold its cores, and the rest of its own work keeps "
-        "pace with theirs."
+        f"processes{_on(s.host)} hold its cores, and {rest}"
     )
 
 
