@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import median
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from ddpscope.analysis.state import RunState
 
@@ -85,9 +85,25 @@ UNDECIDED: Undecided = "undecided"
 BURST = 4.0
 
 
-#: One step of a window: (its own work, the others' median own work, its wait,
-#: the others' median wait, its time on a CPU, the others' median; -1 unknown), ns.
-_Kept = tuple[float, float, int, float, int, float]
+class _Kept(NamedTuple):
+    """One step of a window, ns: the rank's figures and the others' medians."""
+
+    own: float
+    ref: float
+    wait: int
+    others_wait: float
+    #: Time on a CPU (-1: unknown).
+    cpu: int
+    others_cpu: float
+
+
+class _Sums(NamedTuple):
+    """A window's sums of own work, the others' own work, its wait, theirs."""
+
+    own: float
+    ref: float
+    wait: float
+    others_wait: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,34 +196,35 @@ def weigh(
         prev = row
         if mine >= 0 and waits:
             others_cpu = median(cpus) if cpus and mine_cpu >= 0 else -1
-            kept.append((own[i], ref[i], mine, median(waits), mine_cpu, others_cpu))
+            kept.append(_Kept(own[i], ref[i], mine, median(waits), mine_cpu, others_cpu))
     if len(kept) < len(steps) // 2 or not kept:
         return UNDECIDED
-    own_sum, ref_sum, rq_sum, others_sum = _sums(kept)
-    if own_sum <= ref_sum:
+    sums = _sums(kept)
+    if sums.own <= sums.ref:
         # The medians say slow, the sums do not: the others' few long steps carry
         # them. Where those were bursts of load on the others, the rest can tell.
         kept = _without_bursts(kept)
         if len(kept) < len(steps) // 2:
             return UNDECIDED
-        own_sum, ref_sum, rq_sum, others_sum = _sums(kept)
-        if own_sum <= ref_sum:
+        sums = _sums(kept)
+        if sums.own <= sums.ref:
             return UNDECIDED  # nothing to weigh the wait against
-    on_cpu = _on_cpu_ratio(kept)
+    on_cpu = _on_cpu_ratio(kept, sums)
     if on_cpu is None:
         return UNDECIDED
     view = run.ranks.get(r)
     host = view.info.host if view is not None and view.info is not None else ""
-    return Starved(len(kept), host, int(own_sum), ref_sum, int(rq_sum), others_sum, on_cpu)
+    return Starved(
+        len(kept), host, int(sums.own), sums.ref, int(sums.wait), sums.others_wait, on_cpu
+    )
 
 
-def _sums(kept: list[_Kept]) -> tuple[float, float, float, float]:
-    """The window's own work, the others' (median) own work, its wait, theirs."""
-    return (
-        sum(k[0] for k in kept),
-        sum(k[1] for k in kept),
-        sum(k[2] for k in kept),
-        sum(k[3] for k in kept),
+def _sums(kept: list[_Kept]) -> _Sums:
+    return _Sums(
+        sum(k.own for k in kept),
+        sum(k.ref for k in kept),
+        sum(k.wait for k in kept),
+        sum(k.others_wait for k in kept),
     )
 
 
@@ -223,11 +240,11 @@ def _without_bursts(kept: list[_Kept]) -> list[_Kept]:
     rank did no more own work than the others: elsewhere the bursts stay in,
     where they read right (the others' running time over the window).
     """
-    usual = median(row[3] for row in kept)
-    return [row for row in kept if not (row[3] > 0.5 * row[1] and row[3] > BURST * max(usual, 1.0))]
+    usual = max(median(k.others_wait for k in kept), 1.0)
+    return [k for k in kept if not (k.others_wait > 0.5 * k.ref and k.others_wait > BURST * usual)]
 
 
-def _on_cpu_ratio(kept: list[_Kept]) -> float | None:
+def _on_cpu_ratio(kept: list[_Kept], sums: _Sums) -> float | None:
     """How much slower than the others it would be on a CPU of its own.
 
     The lower of two readings, each blind where the other sees:
@@ -258,13 +275,15 @@ def _on_cpu_ratio(kept: list[_Kept]) -> float | None:
     where every thread waits 70%: 2x each). None when there is nothing to
     compare with (the others waited all through their own work, or ran none).
     """
-    own_sum, ref_sum, rq_sum, others_sum = _sums(kept)
-    ratios = [k[0] / k[1] for k in kept if k[1] > 0]
+    own_sum, ref_sum, rq_sum, others_sum = sums
+    ratios = [k.own / k.ref for k in kept if k.ref > 0]
     if not ratios:
         return None
-    if all(k[4] >= 0 and k[5] >= 0 for k in kept):
-        running = sum(k[4] for k in kept) + _blocked([k[0] - k[2] - k[4] for k in kept])
-        others_running = sum(k[5] for k in kept) + _blocked([k[1] - k[3] - k[5] for k in kept])
+    if all(k.cpu >= 0 and k.others_cpu >= 0 for k in kept):
+        running = sum(k.cpu for k in kept) + _blocked([k.own - k.wait - k.cpu for k in kept])
+        others_running = sum(k.others_cpu for k in kept) + _blocked(
+            [k.ref - k.others_wait - k.others_cpu for k in kept]
+        )
     else:
         # Its wait also holds its wake-ups from collectives (outside own work):
         # on a starved rank it can exceed its own work.
