@@ -2,10 +2,10 @@
 
 Lockstep streams (tests/support/synth.py, ~100 ms steps, +-30 % jitter per
 rank, phase and step, 3 % single-step spikes x3) whose steps carry the
-run-queue wait and CPU time a rank sends (``Step.rq_wait_ns``, ``cpu_ns``). Per seed, each case is
-analysed with StragglerDetector as the watcher runs it, and again with the
-readings stripped (-1: an older rank side), so that the two columns differ
-only in what the readings tell:
+run-queue wait and CPU time a rank sends (``Step.rq_wait_ns``, ``cpu_ns``).
+Per seed, each case is analysed with StragglerDetector as the watcher runs
+it, and again with the readings stripped (-1: an older rank side), so that
+the two columns differ only in what the readings tell:
 
 - ``compute``: one rank's own work x1.5 from step 30 on a busy host (every
   rank waits 5 % of its own work): steps from onset to the straggler warning;

@@ -293,7 +293,8 @@ class Publisher:
 
     def _await_subscription(self) -> None:
         """At close, still holding: a connected peer's subscription, briefly."""
-        end = time.monotonic() + self._hold.close_wait(time.monotonic())
+        now = time.monotonic()
+        end = now + self._hold.close_wait(now)
         while not self.subscriptions and self._hold.peer and time.monotonic() < end:
             if self._pub.poll(50, zmq.POLLIN):
                 self._read_subscriptions()

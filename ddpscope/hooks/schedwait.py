@@ -19,9 +19,9 @@ Its time on a CPU (the first field) comes with the same reading: what the
 rank's work costs with a CPU of its own, the contention rule's other half.
 
 Steps end between two publisher ticks, and a reading is taken once per
-tick, so the wait (and CPU time) at a step's end is interpolated between the two readings
-around it: the detectors sum it over windows of a second or more, where the
-error is at most one tick's wait at each end.
+tick, so the wait (and CPU time) at a step's end is interpolated between the
+two readings around it: the detectors sum it over windows of a second or
+more, where the error is at most one tick's wait at each end.
 """
 
 from __future__ import annotations
