@@ -382,3 +382,37 @@ def test_one_burst_of_load_on_the_other_rank_does_not_make_the_starved_one_a_str
     found = analysis.book(analysis.latest).sorted()
     assert [(f.kind, f.severity, f.ranks) for f in found] == [("cpu_contention", "info", [1])]
     assert found[0].evidence["explained_pct"] >= 50
+
+
+#: A third, from the full suite of 2026-12-06: rank 0 waited 407 ms in a step of
+#: 11 ms of own work (step 92, in the collective), beside rank 1 starved throughout.
+OUTSIDE = Path(__file__).parent / "recordings" / "starved-with-a-wait-outside-the-others-work"
+
+
+def test_the_others_wait_outside_their_own_work_does_not_make_the_starved_one_a_straggler() -> None:
+    # Counted whole, that one wait halved the share rank 1's extra wait explained
+    # (0.49, at 1.07x on a CPU) and rank 1 was named a straggler at step 110.
+    analysis, recording = analyze_recording(str(OUTSIDE))
+    assert recording.problems == []
+    found = analysis.book(analysis.latest).sorted()
+    assert ("straggler", "warning", [1]) not in [(f.kind, f.severity, f.ranks) for f in found]
+    assert ("cpu_contention", "info", [1]) in [(f.kind, f.severity, f.ranks) for f in found]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_long_wake_up_of_the_others_in_a_collective_is_not_weighed_as_their_own_work(
+    seed: int,
+) -> None:
+    # Rank 0 waits for a CPU 40x its step's own work once every 10 steps, after the
+    # collective wakes it (outside its own work): the starved rank's extra wait still
+    # explains its extra own work.
+    slow = straggler(noisy(seed), SLOW, start=ONSET, factor=2.0)
+
+    def outside(s: Step) -> int:
+        return 40 * own(s) if s.rank != SLOW and s.step % 10 == 5 else 0
+
+    def wait(s: Step) -> int:
+        return starved()(s) + outside(s)
+
+    analysis = analyse_with_cpu(slow, wait, cpu_readings(wait, outside))
+    assert kinds(analysis) == [("cpu_contention", "info", [SLOW], True)]
