@@ -328,6 +328,12 @@ class Handle:
     def finish(self, clean: bool = True) -> None:
         if self.tracker.enabled:
             self.guard(self.tracker.flush)
+            if self._hparams_key is not None:
+                # A scheduler's last move after the last checked step (without it
+                # a short run reports the rate it had there as its last), sent as
+                # the next step's: the rate it moved to, at a step no rank sent yet
+                # (hyperparam_mismatch compares each step once all ranks sent it).
+                self.guard(self._check_hparams, self.tracker.step + 1)
             if clean and self.fingerprinter.every != -1:
                 self._fingerprint(self.job_step, "final")
         # Also after an internal error disabled the tracker: nothing stays in torch.

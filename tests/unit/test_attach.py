@@ -269,8 +269,24 @@ def test_a_learning_rate_moved_every_step_is_sent_on_the_checked_steps_only(
     handle.close()
     sent = [m for m in open_run(str(tmp_path / "rec")).messages[0] if isinstance(m, HParams)]
     # The first values at once, then every HPARAMS_EVERY-th step: each with the
-    # learning rate in force at that step.
-    assert [m.step for m in sent] == [1, 8, 16]
+    # learning rate in force at that step; at the end, the rate the scheduler left
+    # for the step after the last.
+    assert [m.step for m in sent] == [1, 8, 16, 21]
     assert [m.optimizers[0]["groups"][0]["lr"] for m in sent] == pytest.approx(
-        [0.1 / 1, 0.1 / 8, 0.1 / 16]
+        [0.1 / 1, 0.1 / 8, 0.1 / 16, 0.1 / 21]
     )
+
+
+def test_a_learning_rate_that_never_moves_is_sent_once(tmp_path: Path) -> None:
+    from ddpscope.schema import HParams
+
+    model = _ddp()
+    handle = ddpscope.attach(model, record=str(tmp_path / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(20):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.close()
+    sent = [m for m in open_run(str(tmp_path / "rec")).messages[0] if isinstance(m, HParams)]
+    assert [m.step for m in sent] == [1]
