@@ -181,6 +181,7 @@ def run_summary(
         "steps": max((v.step_count for v in views), default=0),
         "steps_all_ranks": recording.tally.complete_steps(len(run.ranks)) if run else 0,
         "epochs": len(recording.tally.epochs) if run is not None else 0,
+        "passes": max(recording.tally.passes.values(), default=0) if run is not None else 0,
         "messages": run.received if run is not None else 0,
         "status": "ended" if views and not open_ranks else "open",
         "open_ranks": open_ranks,

@@ -46,8 +46,7 @@ def _header_lines(run: dict[str, Any]) -> list[str]:
         ranks if seen != world else "",
         f"on {host_text}" if hosts else "",
         "/".join(x for x in (run["backend"], run["device"]) if x),
-        fmt_count(run["steps"], "step")
-        + (f", {fmt_count(run['epochs'], 'epoch')}" if run["epochs"] else ""),
+        fmt_count(run["steps"], "step") + _epochs(run),
         f"{run['duration_s']:.1f} s",
         f"started {run['started'].replace('T', ' ')}" if run["started"] else "",
     ]
@@ -67,6 +66,15 @@ def _header_lines(run: dict[str, Any]) -> list[str]:
         *([f"  training: {training}"] if training else []),
         f"  status: {status}",
     ]
+
+
+def _epochs(run: dict[str, Any]) -> str:
+    """ ", 4 epochs", or the passes where the sampler's epoch did not follow them."""
+    epochs, passes = run["epochs"], run.get("passes", 0)
+    if passes > max(epochs, 1):
+        sampler = f" ({fmt_count(epochs, 'sampler epoch')})" if epochs else ""
+        return f", {passes} passes over the training data{sampler}"
+    return f", {fmt_count(epochs, 'epoch')}" if epochs else ""
 
 
 def fmt_count(n: int, what: str) -> str:

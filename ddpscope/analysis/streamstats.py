@@ -26,7 +26,7 @@ from ddpscope.analysis.state import RunState
 from ddpscope.analysis.waits import bucket_waits
 from ddpscope.record.reader import RunDir
 from ddpscope.record.stream import RunStream
-from ddpscope.schema import Heartbeat, Message, Step
+from ddpscope.schema import Heartbeat, Message, SamplerPass, Step
 
 #: Step fields kept per step, in this order: the step time, then the split.
 STEP_FIELDS = (
@@ -197,6 +197,9 @@ class RankTally:
         self.calls: dict[int, Counter[CollKey]] = {}
         self.blocked: dict[int, Counter[CollKey]] = {}
         self.epochs: set[int] = set()
+        #: (rank, loader) -> its training passes: a loader whose sampler never
+        #: had set_epoch() called (shuffle=False needs none) is at epoch 0 in all.
+        self.passes: Counter[tuple[int, int]] = Counter()
         self.waits = WaitSample()
 
     def file_message(self, rank: int, msg: Message) -> None:
@@ -208,6 +211,8 @@ class RankTally:
 
     def fed(self, msg: Message, run: RunState) -> None:
         """After the analysis took ``msg`` (called for every message fed)."""
+        if isinstance(msg, SamplerPass) and msg.training:
+            self.passes[(msg.rank, msg.loader)] += 1
         if not isinstance(msg, Step):
             return
         row = run.by_step.get(msg.step)

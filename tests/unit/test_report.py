@@ -504,3 +504,63 @@ def test_a_cpu_share_not_measured_is_left_out_of_the_rank_median(tmp_path: Path)
     doc = report.build(*report.analyze(str(tmp_path)))
     (rank0,) = [r for r in doc["ranks"] if r["rank"] == 0]
     assert rank0["cpu_pct"] == 60.0
+
+
+def _passes(msgs: list[Message], passes: int, set_epoch: bool, training: bool = True) -> None:
+    """Each rank's loader starts ``passes`` passes, one every len/passes steps; with
+    ``set_epoch`` the steps of pass k carry sampler epoch k, else epoch 0 throughout."""
+    from ddpscope.schema import SamplerPass
+
+    numbers = sorted({m.step for m in msgs if isinstance(m, Step)})
+    per, base = len(numbers) // passes, numbers[0]
+    steps = len(numbers)
+    for i, m in enumerate(msgs):
+        if isinstance(m, Step):
+            msgs[i] = dataclasses.replace(m, epoch=(m.step - base) // per if set_epoch else 0)
+    for rank in {m.rank for m in msgs}:
+        first = {m.step: m.t for m in msgs if isinstance(m, Step) and m.rank == rank}
+        for k in range(passes):
+            msgs.append(
+                SamplerPass(
+                    run="x",
+                    rank=rank,
+                    t=first[base + k * per] - 1,
+                    loader=0,
+                    pass_id=k,
+                    step=base + k * per,
+                    training=training,
+                    sampler_type="torch.utils.data.distributed.DistributedSampler",
+                    batch_sampler_type="torch.utils.data.sampler.BatchSampler",
+                    dataset_type="TensorDataset",
+                    dataset_len=64 * steps,
+                    expected=32 * steps,
+                    distributed=True,
+                    epoch=k if set_epoch else 0,
+                    num_replicas=2,
+                    sampler_rank=rank,
+                )
+            )
+
+
+@pytest.mark.parametrize(
+    ("set_epoch", "training", "says"),
+    [
+        (True, True, "60 steps, 4 epochs ·"),
+        (False, True, "60 steps, 4 passes over the training data (1 sampler epoch) ·"),
+        (False, False, "60 steps, 1 epoch ·"),
+    ],
+)
+def test_the_header_counts_the_passes_over_the_training_data_not_only_sampler_epochs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], set_epoch: bool, training: bool, says: str
+) -> None:
+    # A sampler whose set_epoch() was never called (shuffle=False needs none) stays at
+    # epoch 0 however many times the loop goes over the data; passes in eval mode
+    # are no training.
+    msgs = healthy(60)
+    _passes(msgs, 4, set_epoch, training)
+    write_run(tmp_path, msgs)
+    code, out, err = cli(str(tmp_path), capsys=capsys)
+    assert code == 0, err
+    assert says in out.splitlines()[2]
+    doc = report.build(*report.analyze(str(tmp_path)))
+    assert doc["run"]["passes"] == (4 if training else 0)
