@@ -6,6 +6,7 @@ report's own, imported from it. Not used by ddpscope itself."""
 
 from __future__ import annotations
 
+import copy
 import re
 import statistics
 from collections import Counter
@@ -280,4 +281,20 @@ def problems(recording: Recording, analysis: Analysis | None = None) -> list[str
     if analysis is not None:
         for name, err in sorted(analysis.detector_errors.items()):
             out.append(f"analysis: detector {name} failed (its findings are missing): {err}")
+    return out
+
+
+#: Fields the report gained after this one was kept, by part of the JSON: the
+#: streaming report has them, this one not.
+ADDED_SINCE = {"run": ("passes",)}
+
+
+def without_added(doc: dict[str, Any]) -> dict[str, Any]:
+    """The streaming report's JSON less ADDED_SINCE (each asserted there): what this
+    one is compared with."""
+    out = copy.deepcopy(doc)
+    for part, fields in ADDED_SINCE.items():
+        for name in fields:
+            assert name in out[part], f"{part}.{name} missing from the report"
+            del out[part][name]
     return out
