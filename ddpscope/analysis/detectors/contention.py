@@ -44,9 +44,10 @@ straggler.
 The others' run-queue wait includes their wake-ups from the collective
 they wait in (not in their own work): ``extra`` counts no more of it in a
 step than their own work there, and their measured CPU time keeps it out
-of the pace's divisor. Where the wait readings are missing (-1: no ``/proc``, older
-senders or recordings) the rule does not apply; where only the CPU time is
-missing (senders before it was added), the pace is estimated.
+of the pace's divisor. Where the wait readings are missing (-1: no
+``/proc``, older senders or recordings) the rule does not apply; where only
+the CPU time is missing (senders before it was added), the pace is
+estimated.
 """
 
 from __future__ import annotations
