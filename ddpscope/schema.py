@@ -294,6 +294,12 @@ class Heartbeat(Message):
     #: written outside torch.save (fsspec, safetensors, DCP) shows here.
     io_op: str = ""
     io_path: str = ""
+    #: Bytes/s the whole process moved over the last interval (read/write calls on
+    #: any descriptor, TCP bytes sent and acknowledged or received), measured while
+    #: the training thread has been in one phase outside the collectives for a
+    #: second or more; -1 otherwise. A rank waiting on its own transfer threads (a
+    #: checkpoint upload) moves megabytes a second; a stuck one next to nothing.
+    moved_bps: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

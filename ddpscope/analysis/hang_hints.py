@@ -59,3 +59,11 @@ READING_HINT = (
     "the training thread. Read data in DataLoader workers (num_workers > 0), and stage "
     "large files on local disk first."
 )
+#: A behind rank whose training thread waits while its process moves data (moved_bps).
+MOVING_HINT = (
+    "Rank {r} has been waiting on its own threads for over {m:.0f} minutes while its "
+    "process moves data and the others wait: a checkpoint upload (boto3, s3fs, an "
+    "asynchronous writer) or a download that the training thread waits for. Let training "
+    "go on while it transfers (wait for it only before the next upload), transfer after "
+    "training, or check the storage's throughput."
+)

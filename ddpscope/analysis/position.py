@@ -27,6 +27,10 @@ FLUSH_MAX_S = 0.25
 #: Frames of a stack kept in evidence, and ranks listed one by one.
 STACK_FRAMES = 12
 WHERE_RANKS = 32
+#: Bytes/s a process must move (Heartbeat.moved_bps) to count as transferring: a
+#: checkpoint upload or download moves megabytes a second, ddpscope's own heartbeat
+#: and recording a few kilobytes.
+MOVING_BPS = 256 * 1024
 #: Path parts of frames outside the user's code (a stack's "at" is the innermost other one).
 _LIBRARY_MARKERS = (
     "site-packages",
@@ -82,6 +86,8 @@ class Where:
     #: a regular file, and the file (Heartbeat.io_op, io_path).
     io_op: str = ""
     io_path: str = ""
+    #: Bytes/s its process moved over the last heartbeat interval (-1: not measured).
+    moved_bps: int = -1
 
     @property
     def waiting(self) -> bool:
@@ -111,7 +117,15 @@ class Where:
             # steps, where Lightning and the HF Trainer write their checkpoints).
             return f"{_FILE_IO.get(self.io_op, self.io_op)} {self.io_path}"
         own = _OWN_PHASES.get(self.phase)
-        return own if own is not None else f"in its own code ('{self.phase}')"
+        doing = own if own is not None else f"in its own code ('{self.phase}')"
+        if self.moving:
+            doing += f", its process moving {self.moved_bps / 1e6:.1f} MB/s"
+        return doing
+
+    @property
+    def moving(self) -> bool:
+        """Outside the collectives, its process moving data (an upload its thread awaits)."""
+        return self.moved_bps >= MOVING_BPS and not self.waiting
 
     @property
     def in_file_io(self) -> bool:
@@ -149,6 +163,8 @@ class Where:
             }
         if self.in_file_io:
             out["file_io"] = {"op": self.io_op, "path": self.io_path}
+        if self.moved_bps >= 0 and not self.waiting:
+            out["moved_bps"] = self.moved_bps
         return out
 
 
@@ -191,6 +207,7 @@ def where(view: RankView, now_ns: int, hb_rx_ns: int | None) -> Where | None:
         coll_site=hb.coll_site,
         io_op=hb.io_op,
         io_path=hb.io_path,
+        moved_bps=hb.moved_bps,
     )
 
 

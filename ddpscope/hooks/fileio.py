@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import platform
 import stat
+from typing import Any
 
 #: Bytes read per sample: the number and six arguments in hex fit in far less.
 _READ = 256
@@ -113,6 +114,13 @@ class FileWait:
         if len(path) > MAX_PATH:
             path = "..." + path[-(MAX_PATH - 3) :]
         return op, path
+
+    def stamp(self, fields: dict[str, Any]) -> None:
+        """Add ``io_op`` and ``io_path`` to a heartbeat's fields while they are set."""
+        op, path = self.sample()
+        if op:
+            fields["io_op"] = op
+            fields["io_path"] = path
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -32,6 +32,7 @@ from ddpscope.hooks.signalwake import SignalWake, StopWake
 from ddpscope.hooks.stacks import all_thread_stacks
 from ddpscope.hooks.subscribehold import SubscribeHold
 from ddpscope.hooks.tickpace import TickPace
+from ddpscope.hooks.transfers import TransferRate
 from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import (
     REQUESTS,
@@ -132,6 +133,7 @@ class Publisher:
         self._run_queue = RunQueueWait(threading.get_native_id())
         # The file it is blocked on, if any: a checkpoint written outside torch.save.
         self._file_wait = FileWait(threading.get_native_id())
+        self._transfers = TransferRate()  # bytes its threads move while it waits on them
         self._seq = 0
         self.sent = 0
         self.dropped_queue = 0
@@ -417,10 +419,8 @@ class Publisher:
         runnable = self._run_queue.runnable()
         if runnable >= 0:
             fields["runnable_ns"] = runnable
-        io_op, io_path = self._file_wait.sample()
-        if io_op:
-            fields["io_op"] = io_op
-            fields["io_path"] = io_path
+        self._file_wait.stamp(fields)
+        self._transfers.stamp(fields, st.phase, in_phase, mono, runnable)
         fields.update(self._host.sample())
         self._emit(Heartbeat.KIND, 0, fields, record=True)
         # Any phase can hang, user code ("idle") included: a rank asleep there
@@ -535,6 +535,7 @@ class Publisher:
             self._writer.close()
         self._run_queue.close()
         self._file_wait.close()
+        self._transfers.close()
         self.handshakes.close()
         self._ctx.destroy(linger=EXIT_FLUSH_MS)
         self._stop_wake.close()

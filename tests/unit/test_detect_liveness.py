@@ -71,11 +71,13 @@ def stuck(
     colls: dict[int, tuple[str, str, str]] | None = None,
     runnable: dict[int, float] | None = None,
     io: dict[int, tuple[str, str]] | None = None,
+    moved: dict[int, int] | None = None,
 ) -> list[Message]:
     """Heartbeats of ranks stuck from ``start`` on: rank -> (phase, step count); ranks in
     phase "collective" say which one in ``colls``: rank -> (op, class, site); ranks in
     ``runnable`` send their training thread's runnable time, growing at that share;
-    ranks in ``io`` are blocked on a regular file: rank -> (call, path)."""
+    ranks in ``io`` are blocked on a regular file: rank -> (call, path); ranks in
+    ``moved`` send the bytes/s their process moves."""
     out: list[Message] = []
     t = start + every
     while t <= start + int(seconds * S):
@@ -85,6 +87,8 @@ def stuck(
             extra = {} if share is None else {"runnable_ns": S + int(share * (t - start))}
             if r in (io or {}):
                 extra["io_op"], extra["io_path"] = (io or {})[r]
+            if r in (moved or {}):
+                extra["moved_bps"] = (moved or {})[r]
             out.append(
                 heartbeat(
                     r,
@@ -580,6 +584,59 @@ def test_a_file_operation_that_never_returns_is_a_hang_naming_the_file(
     assert f.evidence["where"]["0"]["file_io"] == {"op": op, "path": CHECKPOINT}
     assert f.evidence["computing"] == {}
     assert f.fix.startswith(f"Rank 0 has been {hint} {CHECKPOINT} for over 5 minutes")
+
+
+#: An upload's pace (bytes/s) and ddpscope's own traffic during a stall.
+UPLOADING = 8_000_000
+OWN_TRAFFIC = 4_000
+
+
+def test_a_rank_waiting_on_its_upload_threads_while_the_other_waits_is_no_hang() -> None:
+    # Rank 0 uploads a checkpoint for 60 s between steps: boto3's threads send, its
+    # training thread sleeps on their futures (runnable 0%, no file); rank 1 waits.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 60, colls={1: BARRIER},
+                  runnable={0: 0.0, 1: 0.0}, moved={0: UPLOADING, 1: OWN_TRAFFIC})  # fmt: skip
+    assert "hang" not in kinds(analyze(msgs))
+
+
+@pytest.mark.parametrize("rate", [-1, 0, OWN_TRAFFIC])
+def test_a_rank_whose_process_moves_nothing_is_a_hang_at_the_usual_limit(rate: int) -> None:
+    # The same wait once the upload stalls (or the rank sleeps on a lock): only
+    # ddpscope's own heartbeat traffic, or no measurement at all.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 8, colls={1: BARRIER},
+                  runnable={0: 0.0, 1: 0.0}, moved={0: rate})  # fmt: skip
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0] and f.evidence["stalled_s"] < 10
+    assert "moving" not in f.message
+
+
+def test_a_waiting_ranks_traffic_does_not_excuse_the_rank_behind() -> None:
+    # Rank 1 waits in the barrier while a thread of its own uploads; rank 0, behind,
+    # sleeps: rank 1's bytes say nothing about rank 0.
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, 8, colls={1: BARRIER},
+                  runnable={0: 0.0, 1: 0.0}, moved={1: UPLOADING})  # fmt: skip
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0]
+
+
+def test_an_upload_that_outlasts_the_own_work_limit_is_a_hang_that_says_so() -> None:
+    msgs = run_steps(steps=20)
+    t = end_of(msgs)
+    msgs += stuck({0: ("idle", 20), 1: ("collective", 20)}, t, HANG_OWN_WORK_S + 10,
+                  every=10 * S, colls={1: BARRIER}, runnable={0: 0.0, 1: 0.0},
+                  moved={0: UPLOADING})  # fmt: skip
+    (f,) = kinds(analyze(msgs))["hang"]
+    assert f.ranks == [0] and f.evidence["stalled_s"] >= HANG_OWN_WORK_S
+    assert "its process moving 8.0 MB/s" in f.message
+    assert f.evidence["where"]["0"]["moved_bps"] == UPLOADING
+    assert "moved_bps" not in f.evidence["where"]["1"]  # waiting: its traffic is not counted
+    assert f.fix.startswith("Rank 0 has been waiting on its own threads for over 5 minutes")
 
 
 def test_a_normal_exit_that_leaves_another_rank_waiting_is_still_a_rank_exit() -> None:

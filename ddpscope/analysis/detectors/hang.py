@@ -24,7 +24,10 @@ Hang rule, checked on every tick; all four must hold:
    (``Heartbeat.io_op``/``io_path``): a checkpoint written outside torch.save
    (Lightning through fsspec, the HF Trainer and accelerate through
    safetensors, DCP) on slow storage; only one that never returns is a hang,
-   and the message names the file.
+   and the message names the file. And so is a rank whose process moves data
+   while its training thread waits on a lock (``Heartbeat.moved_bps`` at
+   least ``MOVING_BPS``): a checkpoint uploaded by boto3's or s3fs's threads;
+   an upload that stalls moves nothing and is a hang at T.
 3. At least one live rank is blocked in a collective (``schema.WAITING_PHASES``):
    the gradient all-reduce (``allreduce``), any other collective
    (``collective``: DDP's buffer broadcast at the start of a forward, the
@@ -260,7 +263,7 @@ class HangDetector:
             return None
         own = max(limit, HANG_OWN_WORK_S)
         for w in live:
-            working = w.phase == "save" or w.in_file_io or _computing(st, w)
+            working = w.phase == "save" or w.in_file_io or w.moving or _computing(st, w)
             if w.in_phase_s < (own if working else limit):
                 return None
         return self._behind(live, dark), live, dark
@@ -545,6 +548,8 @@ def _hang_fix(
     elif first is not None and first.in_file_io:
         hint = hints.READING_HINT if first.io_op == "read" else hints.WRITING_HINT
         parts.append(hint.format(r=first.rank, m=HANG_OWN_WORK_S / 60, path=first.io_path))
+    elif first is not None and first.moving:
+        parts.append(hints.MOVING_HINT.format(r=first.rank, m=HANG_OWN_WORK_S / 60))
     elif first is not None and first.phase in hints.BEHIND_HINTS:
         parts.append(hints.BEHIND_HINTS[first.phase].format(r=first.rank))
     if stacks:
