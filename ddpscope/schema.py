@@ -401,6 +401,8 @@ class HParams(Message):
     step: int
     #: One entry per optimizer: {"type": str, "groups": [{name: float, ...}, ...]}.
     optimizers: list[dict[str, Any]]
+    #: Read as the rank closed (after its last step), not as a step closed.
+    final: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -31,6 +31,9 @@ The rules:
   rank behind in it is that straggler: the others waited for it, once longer.
 - ``forward_bypasses_ddp`` explains the parameters' ``desync`` that followed
   steps trained with no forward through DDP: no gradient was all-reduced.
+- ``hyperparam_mismatch`` explains the same model's parameters' ``desync``
+  when it was found no later and names every rank the desync does: the
+  ranks applied different updates to the same averaged gradients.
 
 Rules run when the book changed (its version moved), after the detectors,
 from :class:`ddpscope.analysis.engine.Analysis`. A link whose rule no longer
@@ -334,8 +337,35 @@ def bypass_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
     }
 
 
+def hparams_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
+    want: dict[Key, Want] = {}
+    for d in book.of_kind("desync"):
+        what, _, model = d.key.partition(":")
+        if what != "params":
+            continue
+        prefix = f"model {model} " if model else ""
+        minority = set(d.evidence.get("minority_ranks") or d.ranks)
+        for h in sorted(book.of_kind("hyperparam_mismatch"), key=lambda f: f.step):
+            mine = h.key.startswith(prefix) if prefix else not h.key.startswith("model ")
+            if mine and h.step <= d.step and minority <= set(h.ranks):
+                want[(d.kind, d.key)] = Want(
+                    (h.kind, h.key),
+                    f"Caused by hyperparam_mismatch ({h.key}): the ranks apply different "
+                    "updates to the same averaged gradients, so their replicas drift apart.",
+                    fix=f"Fix the cause: {h.fix}",
+                )
+                break
+    return want
+
+
 #: In order: the first rule that explains a finding gives its cause.
-RULES: tuple[Rule, ...] = (uneven_inputs_rule, crash_rule, straggler_rule, bypass_rule)
+RULES: tuple[Rule, ...] = (
+    uneven_inputs_rule,
+    crash_rule,
+    straggler_rule,
+    bypass_rule,
+    hparams_rule,
+)
 
 
 def link_causes(run: RunState, book: FindingBook, rules: tuple[Rule, ...] = RULES) -> None:

@@ -306,14 +306,16 @@ class Handle:
             # counting it; whichever of the two writes lands last, it is seen).
             tracker.notify_at = 0
 
-    def _check_hparams(self, step: int) -> None:
+    def _check_hparams(self, step: int, final: bool = False) -> None:
         opts = list(self.tracker.optimizers.values())
         key = hparams_key(opts)
         if opts and key != self._hparams_key:
             self._hparams_key = key
             self._hparams = hparams(opts)
             self._hparams_step = step
-            fields = {"step": step, "optimizers": self._hparams}
+            fields: dict[str, Any] = {"step": step, "optimizers": self._hparams}
+            if final:
+                fields["final"] = True
             self.publisher.post(HParams.KIND, self.index, fields)
 
     def _finish_fingerprint(self, _payload: Any, force: bool) -> dict[str, Any] | None:
@@ -333,7 +335,7 @@ class Handle:
                 # a short run reports the rate it had there as its last), sent as
                 # the next step's: the rate it moved to, at a step no rank sent yet
                 # (hyperparam_mismatch compares each step once all ranks sent it).
-                self.guard(self._check_hparams, self.tracker.step + 1)
+                self.guard(self._check_hparams, self.tracker.step + 1, True)
             if clean and self.fingerprinter.every != -1:
                 self._fingerprint(self.job_step, "final")
         # Also after an internal error disabled the tracker: nothing stays in torch.

@@ -198,6 +198,7 @@ def hparams(
     groups: list[dict[str, float]] | None = None,
     optimizers: list[dict[str, Any]] | None = None,
     opt_type: str = "torch.optim.sgd.SGD",
+    final: bool = False,
     **group: float,
 ) -> HParams:
     """HParams with one optimizer; ``groups`` or a single group from keywords (lr=...)."""
@@ -206,7 +207,12 @@ def hparams(
             groups = [{"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0, **group}]
         optimizers = [{"type": opt_type, "groups": groups}]
     return HParams(
-        run=run, rank=rank, t=step * 10 * MS if t is None else t, step=step, optimizers=optimizers
+        run=run,
+        rank=rank,
+        t=step * 10 * MS if t is None else t,
+        step=step,
+        optimizers=optimizers,
+        final=final,
     )
 
 

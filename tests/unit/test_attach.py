@@ -272,6 +272,7 @@ def test_a_learning_rate_moved_every_step_is_sent_on_the_checked_steps_only(
     # learning rate in force at that step; at the end, the rate the scheduler left
     # for the step after the last.
     assert [m.step for m in sent] == [1, 8, 16, 21]
+    assert [m.final for m in sent] == [False, False, False, True]
     assert [m.optimizers[0]["groups"][0]["lr"] for m in sent] == pytest.approx(
         [0.1 / 1, 0.1 / 8, 0.1 / 16, 0.1 / 21]
     )

@@ -426,3 +426,31 @@ def test_undoing_a_link_keeps_what_the_detector_wrote_in_place_since() -> None:
     h.message += " Then a rank ended."  # as HangDetector does when the episode ends
     book.unexplain("hang", "run")
     assert h.message == "hang happened. Then a rank ended." and h.fix == "fix the hang"
+
+
+def _desync(ranks: list[int], step: int = 16, key: str = "params") -> Finding:
+    return finding("desync", ranks=ranks, step=step, evidence={"minority_ranks": ranks}, key=key)
+
+
+def test_a_desync_after_a_hyperparameter_mismatch_of_its_ranks_is_its_consequence() -> None:
+    # nanoGPT with lr doubled on rank 1: the mismatch at step 1, the replicas apart at 16.
+    book = FindingBook()
+    book.raise_or_update("optimizer 0 lr", finding("hyperparam_mismatch", ranks=[0, 1], step=1))
+    d = book.raise_or_update("params", _desync([0, 1]))
+    assert linked(book) == {("desync", "params"): ("hyperparam_mismatch", "optimizer 0 lr")}
+    assert d.severity == "info" and d.own_severity == "error"
+    assert "Caused by hyperparam_mismatch (optimizer 0 lr)" in d.message
+    assert d.fix == "Fix the cause: fix the hyperparam_mismatch"
+
+
+def test_a_desync_of_other_ranks_another_model_or_earlier_stands_on_its_own() -> None:
+    book = FindingBook()
+    book.raise_or_update("lr", finding("hyperparam_mismatch", ranks=[3], step=5))
+    book.raise_or_update("params", _desync([2]))  # rank 2 drifted: not the lr's rank 3
+    book.raise_or_update("params:1", _desync([3], key="params:1"))  # model 1: lr is model 0's
+    book.raise_or_update("buffers", _desync([3], key="buffers"))  # buffers: no optimizer
+    assert linked(book) == {}
+    book2 = FindingBook()
+    book2.raise_or_update("lr", finding("hyperparam_mismatch", ranks=[3], step=20))
+    book2.raise_or_update("params", _desync([3], step=16))  # apart before the lr differed
+    assert linked(book2) == {}

@@ -54,8 +54,36 @@ def test_keys_name_the_group_when_there_are_several() -> None:
     groups1 = [{"lr": 0.1}, {"lr": 0.02}]
     msgs = [*run_infos(2), hparams(0, 1, groups=groups0), hparams(1, 1, groups=groups1)]
     (f,) = findings(feed(detector(), msgs))
-    assert f.evidence["key"] == "optimizer 0 group 1 lr"
-    assert (f.evidence["optimizer"], f.evidence["group"]) == (0, 1)
+    assert f.evidence["key"] == "optimizer 0 lr"
+    assert (f.evidence["optimizer"], f.evidence["group"], f.evidence["groups"]) == (0, 1, [1])
+    assert f.message.startswith("optimizer 0 lr (group 1) differs across ranks at step 1: ")
+
+
+def test_a_setting_that_differs_in_every_group_is_one_finding_naming_them() -> None:
+    # nanoGPT's two groups (with and without weight decay), lr doubled on rank 1.
+    groups0 = [{"lr": 0.1, "weight_decay": 0.1}, {"lr": 0.1, "weight_decay": 0.0}]
+    groups1 = [{"lr": 0.2, "weight_decay": 0.1}, {"lr": 0.2, "weight_decay": 0.0}]
+    msgs = [*run_infos(2), hparams(0, 1, groups=groups0), hparams(1, 1, groups=groups1)]
+    (f,) = findings(feed(detector(), msgs))
+    assert f.evidence["key"] == "optimizer 0 lr" and f.evidence["groups"] == [0, 1]
+    assert f.ranks == [0, 1]
+    assert f.message.startswith(
+        "optimizer 0 lr (groups 0 and 1) differs across ranks at step 1: "
+        "group 0: rank 0: 0.1, rank 1: 0.2 (with 2 ranks there is no majority"
+    )
+    assert [g["group"] for g in f.evidence["group_values"]] == [0, 1]
+
+
+def test_a_mismatch_still_there_at_the_end_says_since_when() -> None:
+    steps = lockstep(2, 12, constant(), heartbeat_every=0)
+    msgs: list[Message] = [*run_infos(2), hparams(0, 1, lr=0.1), hparams(1, 1, lr=0.2)]
+    analysis = feed(detector(), [*msgs, *steps])
+    # Each rank's last check as it closes, sent as the step after its last.
+    feed(analysis, [hparams(0, 13, lr=0.05, final=True), hparams(1, 13, lr=0.1, final=True)])
+    (f,) = findings(analysis)
+    assert f.step == 1 and f.active
+    assert f.message.startswith("learning rate (lr) differs across ranks since step 1, still "
+                                "at the end: rank 0: 0.05, rank 1: 0.1")  # fmt: skip
 
 
 def _scheduled(world: int, steps: int, lead: int, seed: int) -> list[Message]:

@@ -21,8 +21,10 @@ rank sent HParams is compared once all ranks' values there are known.
 Per key, the value held by a strict majority of ranks is the reference and
 the others are named. With 2 ranks, or a tie, there is no majority: every
 rank is named and the lowest one serves as the reference. One finding per
-differing key (``lr`` of optimizer 0 group 0, ...); it is resolved when a later
-comparison finds the ranks agreeing again.
+differing setting of an optimizer (``lr`` of optimizer 0), naming the
+parameter groups it differs in: a rank-dependent learning rate differs in
+every group (nanoGPT's two, with and without weight decay), one mistake. It
+is resolved when a later comparison finds the ranks agreeing again.
 """
 
 from __future__ import annotations
@@ -114,6 +116,10 @@ class _Memo:
     shape: tuple[int, int] = (0, 0)
     #: The attached model these optimizers step (a GAN's two are compared apart).
     model: int = 0
+    #: Finding key -> the step its mismatch was first compared at (while active).
+    since: dict[str, int] = field(default_factory=dict)
+    #: Steps of values read as a rank closed (HParams.final).
+    final: set[int] = field(default_factory=set)
 
 
 class HyperparamDetector:
@@ -170,6 +176,8 @@ class HyperparamDetector:
         if len(hist) > MAX_HISTORY:
             del hist[0]
         memo.exact.setdefault(msg.step, set()).add(msg.rank)
+        if msg.final:
+            memo.final.add(msg.step)
         if len(memo.exact) > MAX_PENDING:
             del memo.exact[min(memo.exact)]
         groups = max((j + 1 for (_, j, _) in flat), default=0)
@@ -204,6 +212,8 @@ class HyperparamDetector:
         if len(values) < 2:
             return
         keys = sorted({k for v in values.values() for k in v})
+        differing: dict[str, list[tuple[Key, list[tuple[Value | None, list[int]]]]]] = {}
+        agreeing: set[str] = set()
         for key in keys:
             if step < memo.latest.get(key, -1):
                 continue  # a late, older comparison must not overwrite a newer one
@@ -211,18 +221,30 @@ class HyperparamDetector:
             groups = _cluster({r: v.get(key) for r, v in values.items()})
             name = _key_name(memo, key)
             if len(groups) < 2:
-                book.resolve(KIND, name)
-                continue
-            self._report(name, key, step, groups, book)
+                agreeing.add(name)
+            else:
+                differing.setdefault(name, []).append((key, groups))
+        for name in agreeing - differing.keys():
+            memo.since.pop(name, None)
+            book.resolve(KIND, name)
+        for name, found in differing.items():
+            since = memo.since.setdefault(name, step)
+            if step in memo.final:  # read as a rank closed, one past its last step
+                when = f"since step {since}, still at the end" if since < step else "at the end"
+            else:
+                when = f"since step {since}, still at step {step}" if since < step else ""
+            self._report(name, found, step, when or f"at step {step}", book)
 
     def _report(
         self,
         name: str,
-        key: Key,
+        found: list[tuple[Key, list[tuple[Value | None, list[int]]]]],
         step: int,
-        groups: list[tuple[Value | None, list[int]]],
+        when: str,
         book: FindingBook,
     ) -> None:
+        key, groups = found[0]
+        named = sorted({r for _, gs in found[1:] for r in _named(gs)})
         n = sum(len(rs) for _, rs in groups)
         groups.sort(key=lambda g: (-len(g[1]), g[1][0]))
         top_value, top_ranks = groups[0]
@@ -235,8 +257,14 @@ class HyperparamDetector:
             lowest = ranks[0]
             top_value, top_ranks = next(g for g in groups if lowest in g[1])
             reference = f"rank {lowest}"
+        ranks = sorted(set(ranks) | set(named))
         parts = [f"{_ranks(rs)}: {_show(v)}" for v, rs in sorted(groups, key=lambda g: g[1][0])]
         friendly = _FRIENDLY.get(key[2], key[2]) if name == key[2] else name
+        if key[1] >= 0 and name.endswith(f"optimizer {key[0]} {key[2]}"):
+            where = _groups_text([k[1] for k, _ in found])
+            friendly += f" ({where})"
+            if len(found) > 1:
+                parts[0] = f"group {key[1]}: {parts[0]}"
         if majority:
             tail = f"{_ranks(ranks)} differ{'s' if len(ranks) == 1 else ''} from the majority"
         elif n == 2:
@@ -244,13 +272,14 @@ class HyperparamDetector:
         else:
             tail = f"no value has a majority: {reference} is the reference"
         message = (
-            f"{friendly} differs across ranks at step {step}: {', '.join(parts)} ({tail}). "
+            f"{friendly} differs across ranks {when}: {', '.join(parts)} ({tail}). "
             "The replicas will drift apart."
         )
         evidence: dict[str, Any] = {
             "key": name,
             "optimizer": key[0],
             "group": key[1],
+            "groups": [k[1] for k, _ in found],
             "name": key[2],
             "step": step,
             "values": [{"value": v, "ranks": rs[:64], "count": len(rs)} for v, rs in groups],
@@ -259,6 +288,11 @@ class HyperparamDetector:
         }
         if n <= 16:
             evidence["per_rank"] = {str(r): v for v, rs in groups for r in rs}
+        if len(found) > 1:
+            evidence["group_values"] = [
+                {"group": k[1], "values": [{"value": v, "count": len(rs)} for v, rs in gs]}
+                for k, gs in found
+            ]
         book.raise_or_update(
             name,
             Finding(
@@ -271,6 +305,25 @@ class HyperparamDetector:
                 evidence=evidence,
             ),
         )
+
+
+def _named(groups: list[tuple[Value | None, list[int]]]) -> list[int]:
+    """The ranks a mismatch names: those off the majority, or all without one."""
+    n = sum(len(rs) for _, rs in groups)
+    top = max(groups, key=lambda g: len(g[1]))[1]
+    if 2 * len(top) > n:
+        return [r for _, rs in groups if rs is not top for r in rs]
+    return [r for _, rs in groups for r in rs]
+
+
+def _groups_text(groups: list[int], limit: int = 6) -> str:
+    """``group 1``, ``groups 0 and 1``, ``groups 0, 1, 2 and 3``."""
+    if len(groups) == 1:
+        return f"group {groups[0]}"
+    shown = [str(g) for g in groups[:limit]]
+    if len(groups) > limit:
+        return f"groups {', '.join(shown)} and {len(groups) - limit} more"
+    return f"groups {', '.join(shown[:-1])} and {shown[-1]}"
 
 
 def _cluster(values: dict[int, Value | None]) -> list[tuple[Value | None, list[int]]]:
@@ -292,11 +345,9 @@ def _key_name(memo: _Memo, key: Key) -> str:
     i, j, name = key
     optimizers, groups = memo.shape
     model = f"model {memo.model} " if memo.model else ""
-    if j < 0:
-        return f"{model}optimizer {i} {name}"
-    if optimizers <= 1 and groups <= 1:
+    if j >= 0 and optimizers <= 1 and groups <= 1:
         return model + name
-    return f"{model}optimizer {i} group {j} {name}"
+    return f"{model}optimizer {i} {name}"
 
 
 def _ranks(ranks: list[int], limit: int = 8) -> str:
