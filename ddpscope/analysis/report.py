@@ -227,6 +227,12 @@ def rank_summary(view: RankView, tally: RankTally, wait_ms: float | None) -> dic
         "step_ms": median_ms(durations),
         "step_p90_ms": _quantile_ms(durations, 0.9),
         "split_ms": {key: median_ms(tally.step_column(r, f)) for key, f in SPLIT.items()},
+        # Sums, where a few long steps (an evaluation on rank 0 alone, the others
+        # waiting in the next all-reduce) weigh as they do on the run's time.
+        "total_s": {
+            "step": round(sum(durations) / NS, 3),
+            **{key: round(sum(tally.step_column(r, f)) / NS, 3) for key, f in SPLIT.items()},
+        },
         "allreduce_wait_ms": wait_ms,
         "collectives": collectives(tally, r),
         "cpu_pct": round(statistics.median(cpu), 1) if cpu else None,

@@ -24,6 +24,9 @@ def render_text(report: dict[str, Any]) -> str:
     lines.append("")
     lines += table_lines(report["ranks"])
     lines.append("")
+    totals = totals_lines(report["ranks"])
+    if totals:
+        lines += [*totals, ""]
     coll = collectives_lines(report["ranks"])
     if coll:
         lines += [*coll, ""]
@@ -151,6 +154,49 @@ def table_lines(ranks: list[dict[str, Any]]) -> list[str]:
             for i, cell in enumerate(row)
         ]
         out.append("  " + "  ".join(cells).rstrip())
+    return out
+
+
+#: Share of a rank's step time beyond its median pace (median x steps) from which the
+#: text adds the totals table: there, long steps hold time the medians do not show.
+LONG_STEPS_SHARE = 0.2
+_TOTAL_COLUMNS = ("rank", "steps", "data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other")
+
+
+def _beyond_median(r: dict[str, Any]) -> float:
+    """The share of the rank's summed step time its steps took beyond the median."""
+    total = (r.get("total_s") or {}).get("step") or 0.0
+    median = r["step_ms"]
+    if total <= 0 or median is None:
+        return 0.0
+    return max(0.0, 1.0 - median / 1000 * r["steps"] / total)
+
+
+def totals_lines(ranks: list[dict[str, Any]]) -> list[str]:
+    """Each rank's time summed over its steps, by part, in seconds: shown only when
+    long steps hold at least LONG_STEPS_SHARE of some rank's time."""
+    tails = [(_beyond_median(r), r["rank"]) for r in ranks]
+    share, worst = max(tails, default=(0.0, -1))
+    if share < LONG_STEPS_SHARE:
+        return []
+    hidden = {
+        name
+        for name, key in _OPTIONAL.items()
+        if not any((r["total_s"].get(key) or 0) > 0 for r in ranks)
+    }
+    names = [n for n in _TOTAL_COLUMNS if n not in hidden]
+    keys = [k for k, n in zip(SPLIT, _COLUMNS[4:12], strict=True) if n not in hidden]
+    rows = [
+        [str(r["rank"]), f"{r['total_s']['step']:.2f}", *(f"{r['total_s'][k]:.2f}" for k in keys)]
+        for r in ranks
+    ]
+    widths = [max(len(n), *(len(row[i]) for row in rows)) for i, n in enumerate(names)]
+    out = [
+        f"per rank (totals over the run, s): steps longer than the median hold "
+        f"{100 * share:.0f}% of rank {worst}'s step time, which the medians above do not show"
+    ]
+    for row in [names, *rows]:
+        out.append("  " + "  ".join(c.rjust(widths[i]) for i, c in enumerate(row)).rstrip())
     return out
 
 

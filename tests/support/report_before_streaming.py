@@ -286,7 +286,7 @@ def problems(recording: Recording, analysis: Analysis | None = None) -> list[str
 
 #: Fields the report gained after this one was kept, by part of the JSON: the
 #: streaming report has them, this one not.
-ADDED_SINCE = {"run": ("passes",)}
+ADDED_SINCE = {"run": ("passes",), "ranks": ("total_s",)}
 
 
 def without_added(doc: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +295,7 @@ def without_added(doc: dict[str, Any]) -> dict[str, Any]:
     out = copy.deepcopy(doc)
     for part, fields in ADDED_SINCE.items():
         for name in fields:
-            assert name in out[part], f"{part}.{name} missing from the report"
-            del out[part][name]
+            for entry in out[part] if isinstance(out[part], list) else [out[part]]:
+                assert name in entry, f"{part}.{name} missing from the report"
+                del entry[name]
     return out

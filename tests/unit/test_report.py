@@ -24,6 +24,7 @@ from ddpscope.record.writer import RecordWriter
 from ddpscope.schema import End, Heartbeat, Message, Stacks, Step, encode
 from tests.support.synth import (
     MS,
+    Phases,
     constant,
     heartbeat,
     lockstep,
@@ -564,3 +565,30 @@ def test_the_header_counts_the_passes_over_the_training_data_not_only_sampler_ep
     assert says in out.splitlines()[2]
     doc = report.build(*report.analyze(str(tmp_path)))
     assert doc["run"]["passes"] == (4 if training else 0)
+
+
+def test_long_steps_that_hold_most_of_the_time_get_a_table_of_totals(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # nanoGPT's shape: rank 0 evaluates alone (500 ms, in "other") every 20 steps and
+    # rank 1 waits for it in the next all-reduce: 1 s of rank 1's ~1.5 s, unseen in medians.
+    evaluating = Phases().plus(other=500 * MS)
+
+    def timing(rank: int, step: int) -> Phases:
+        return evaluating if rank == 0 and step in (20, 40) else Phases()
+
+    msgs: list[Message] = [*run_infos(2), *lockstep(2, 60, timing)]
+    write_run(tmp_path, msgs)
+    doc = report.build(*report.analyze(str(tmp_path)))
+    totals = {r["rank"]: r["total_s"] for r in doc["ranks"]}
+    assert totals[0]["other"] == pytest.approx(60 * 0.0005 + 1.0, abs=0.01)
+    assert totals[1]["comm_wait"] >= 1.0 > totals[0]["comm_wait"]
+    assert totals[1]["step"] == pytest.approx(totals[0]["step"], abs=0.05)
+    code, out, err = cli(str(tmp_path), capsys=capsys)
+    assert code == 0, err
+    (head,) = [line for line in out.splitlines() if line.startswith("per rank (totals")]
+    assert "hold 6" in head and "of rank 1's step time" in head
+    # Without the long steps, the medians say it all: no second table.
+    write_run(tmp_path / "plain", healthy(60))
+    code, out, err = cli(str(tmp_path / "plain"), capsys=capsys)
+    assert code == 0 and "per rank (totals" not in out
