@@ -47,6 +47,8 @@ RANK_KEY_VARS = (SERVER_KEY_VAR, CLIENT_KEY_VAR)
 # Variables of the launcher and the watcher, not rank options.
 #: "1": the bootstrap attaches ddpscope to every DDP model (set by ``ddpscope run``).
 AUTOATTACH_VAR = "DDPSCOPE_AUTOATTACH"
+#: Directory where ranks of a ``ddpscope run`` job leave notes for it (hooks/unwatched.py).
+NOTES_VAR = "DDPSCOPE_NOTES_DIR"
 #: 1: ``ddpscope run`` starts a relay on this node; 0: never; unset: on multi-node launches.
 RELAY_VAR = "DDPSCOPE_RELAY"
 #: The watcher's (or relay's) server keys directory; ranks do not read it.

@@ -127,6 +127,13 @@ class _DDPWatch:
             autoattach.install()
         except Exception as exc:
             _warn("could not hook DistributedDataParallel; this process runs unwatched", exc)
+            return
+        try:
+            from ddpscope.hooks import unwatched
+
+            unwatched.watch()  # training with no DDP model at all gets a note at exit
+        except Exception:
+            pass
 
 
 def _ensure_ddpscope_importable() -> None:

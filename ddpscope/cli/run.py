@@ -14,6 +14,7 @@ This module must not import torch: only the rank processes need it.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 from ddpscope import config
+from ddpscope.analysis.wording import ranks_phrase
 from ddpscope.cli.launch import launch
 from ddpscope.record.reader import attempts
 
@@ -315,11 +317,52 @@ def describe_unrecorded(env: Mapping[str, str]) -> str:
     attempt = re.compile(re.escape(opts.run_id) + r"(-r\d+)?")
     if any(attempt.fullmatch(n) for n in names):
         return ""  # some attempt of the job attached (torchrun's restarts are ID-rN)
-    return (
-        f"ddpscope: run {opts.run_id} recorded nothing: no process of the job attached a "
-        "model. ddpscope watches DistributedDataParallel models and modules under "
+    head = f"ddpscope: run {opts.run_id} recorded nothing: no process of the job attached a model. "
+    unsynced = unwatched_training(read_notes(env.get(config.NOTES_VAR, "")))
+    if unsynced:
+        return head + unsynced
+    return head + (
+        "ddpscope watches DistributedDataParallel models and modules under "
         "torch.distributed._composable.replicate; the job built none before it ended "
         "(FSDP and other sharded wrappers are not watched)."
+    )
+
+
+def read_notes(directory: str) -> list[dict[str, int]]:
+    """The notes the job's ranks left (hooks/unwatched.py), well-formed ones only."""
+    out = []
+    try:
+        names = sorted(os.listdir(directory)) if directory else []
+    except OSError:
+        return []
+    for name in names:
+        try:
+            with open(os.path.join(directory, name)) as f:
+                note = json.load(f)
+            if all(isinstance(note.get(k), int) for k in ("rank", "world", "steps", "collectives")):
+                out.append(note)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def unwatched_training(notes: list[dict[str, int]]) -> str:
+    """What ranks that stepped optimizers with no DDP model and no collectives did."""
+    if not notes:
+        return ""
+    notes = sorted(notes, key=lambda n: n["rank"])
+    ranks = ranks_phrase([n["rank"] for n in notes])
+    first = notes[0]
+    collectives = max(n["collectives"] for n in notes)
+    return (
+        f"Yet {ranks} stepped an optimizer ({ranks_phrase([first['rank']])}: "
+        f"{first['steps']} steps) in a process group of {first['world']} ranks with "
+        f"{collectives} collective{'s' if collectives != 1 else ''} between the first "
+        "and the last step: no DistributedDataParallel model, and nothing averaged the "
+        "gradients, so each rank trained its own copy of the model, on its own data if "
+        "a DistributedSampler split it. Wrap the model in "
+        "torch.nn.parallel.DistributedDataParallel before training (pytorch/examples' "
+        "imagenet main.py wraps it only on CUDA), or average the gradients every step."
     )
 
 
@@ -428,15 +471,20 @@ class RunCommand:
                     "with neither (--headless, no relay) serve it from `ddpscope watch --metrics`"
                 )
         print(describe(env), file=sys.stderr, flush=True)
-        if relay:
-            rc = self._run_relayed(command, env, metrics)
-        elif with_ui:
-            from ddpscope.cli.watch import launch_with_watcher
+        notes = tempfile.mkdtemp(prefix="ddpscope-notes-")
+        env[config.NOTES_VAR] = notes
+        try:
+            if relay:
+                rc = self._run_relayed(command, env, metrics)
+            elif with_ui:
+                from ddpscope.cli.watch import launch_with_watcher
 
-            rc = launch_with_watcher(command, env, metrics)
-        else:
-            rc = launch(command, env)
-        ending = describe_attempts(env) or describe_unrecorded(env)
+                rc = launch_with_watcher(command, env, metrics)
+            else:
+                rc = launch(command, env)
+            ending = describe_attempts(env) or describe_unrecorded(env)
+        finally:
+            shutil.rmtree(notes, ignore_errors=True)
         if ending:
             print(ending, file=sys.stderr, flush=True)
         return rc

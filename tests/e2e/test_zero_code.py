@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -188,3 +189,41 @@ def test_plain_python_process_attaches_and_survives_an_attach_failure(
     assert len(warnings) == 1 and "ddpscope bug" in warnings[0], proc.stderr
     assert "training continues" in warnings[0]
     assert _files_per_rank(rec) == {0: 1}
+
+
+UNWRAPPED = ROOT / "tests" / "jobs" / "unwrapped_job.py"
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("bare", "so each rank trained its own copy of the model"),
+        ("manual", "the job built none before it ended"),  # averaged by hand: no claim
+        ("ddp", None),  # recorded: no closing line at all
+    ],
+)
+def test_training_with_no_ddp_model_and_no_collective_is_said_at_the_end(
+    tmp_path: Path, endpoint: str, mode: str, says: str | None
+) -> None:
+    # pytorch/examples' imagenet main.py on CPU: a process group and a
+    # DistributedSampler, but the model is wrapped in DDP only on CUDA.
+    rec = tmp_path / "rec"
+    notes_before = set(Path(tempfile.gettempdir()).glob("ddpscope-notes-*"))
+    cmd = [*DDPSCOPE_RUN, "--record", str(rec), "--", sys.executable, "-m",
+           "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(UNWRAPPED),
+           "--mode", mode]  # fmt: skip
+    proc = subprocess.run(cmd, env=job_env(DDPSCOPE_ENDPOINT=endpoint), capture_output=True,
+                          text=True, timeout=180, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.count("done:") == 2, proc.stderr[-4000:]
+    closing = [line for line in proc.stderr.splitlines() if "recorded nothing" in line]
+    if says is None:
+        assert closing == [] and _files_per_rank(rec) == {0: 1, 1: 1}
+        return
+    (line,) = closing
+    assert says in line, line
+    if mode == "bare":
+        assert "Yet ranks 0, 1 stepped an optimizer (rank 0: 20 steps) in a process group " \
+               "of 2 ranks with 0 collectives" in line  # fmt: skip
+    # The notes went with the run: nothing left in the temporary directory.
+    assert set(Path(tempfile.gettempdir()).glob("ddpscope-notes-*")) <= notes_before
