@@ -24,8 +24,8 @@ Two counters, both covering every thread of the process:
 It is read only while the training thread has been outside the collectives in
 one phase for :data:`MEASURE_AFTER_S` (a step that long moves on by itself),
 and is not computing, so healthy runs never pay for the scan of descriptors
-(~1 us a descriptor, ~4 us a socket: 57 us with 39 descriptors, 290 us with
-64 sockets among 103; benchmarks/transfers.py).
+(~1 us a descriptor and ~3 us more a socket: 56 us with 39 descriptors, 510 us
+with 128 TCP sockets among 167; benchmarks/transfers.py).
 ddpscope's own traffic (a heartbeat a second, recorded and sent) is a few KB/s,
 far below the rate the hang rule counts as moving (``MOVING_BPS``).
 
