@@ -139,11 +139,14 @@ def _starved_alone(steps: dict[int, list[Step]], found: list[Finding]) -> bool:
     Most of rank 1's own work was waiting for its core, beyond rank 0's wait
     (the whole run's medians), ddpscope heard from both ranks throughout, and
     the job never stopped: in one clean-clone CI run the host held rank 0 for
-    7 s at step 96 (``hang``, error, rightly, resolved when it went on).
+    7 s at step 96 (``hang``, error, rightly, resolved when it went on); in
+    another rank 0's publisher went 11.3 s without a word and then spoke again
+    (``rank_exit``, warning, rightly).
     """
     extra = _wait_per_step_ms(steps[1]) - _wait_per_step_ms(steps[0])
     quiet = not any(
-        f.kind in ("telemetry", "hang") and severity_at_least(f.severity, "warning") for f in found
+        f.kind in ("telemetry", "hang", "rank_exit") and severity_at_least(f.severity, "warning")
+        for f in found
     )
     return quiet and extra > 0.3 * _own_ms(steps[1])
 

