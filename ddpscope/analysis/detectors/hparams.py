@@ -244,20 +244,17 @@ class HyperparamDetector:
         book: FindingBook,
     ) -> None:
         key, groups = found[0]
-        named = sorted({r for _, gs in found[1:] for r in _named(gs)})
+        ranks = sorted({r for _, gs in found for r in _named(gs)})
         n = sum(len(rs) for _, rs in groups)
         groups.sort(key=lambda g: (-len(g[1]), g[1][0]))
         top_value, top_ranks = groups[0]
         majority = 2 * len(top_ranks) > n
         if majority:
-            ranks = sorted(r for _, rs in groups[1:] for r in rs)
             reference = "majority"
         else:
-            ranks = sorted(r for _, rs in groups for r in rs)
-            lowest = ranks[0]
+            lowest = min(r for _, rs in groups for r in rs)
             top_value, top_ranks = next(g for g in groups if lowest in g[1])
             reference = f"rank {lowest}"
-        ranks = sorted(set(ranks) | set(named))
         parts = [f"{_ranks(rs)}: {_show(v)}" for v, rs in sorted(groups, key=lambda g: g[1][0])]
         friendly = _FRIENDLY.get(key[2], key[2]) if name == key[2] else name
         if key[1] >= 0 and name.endswith(f"optimizer {key[0]} {key[2]}"):
