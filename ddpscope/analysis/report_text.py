@@ -119,10 +119,9 @@ def _attempts_lines(attempts: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-_COLUMNS = (
-    "rank", "host", "steps", "step", "data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other",
-    "ar-wait", "cpu%", "rss", "end",
-)  # fmt: skip
+#: The split's columns, in the order of report.SPLIT's keys.
+_PARTS = ("data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other")
+_COLUMNS = ("rank", "host", "steps", "step", *_PARTS, "ar-wait", "cpu%", "rss", "end")
 _LEFT = ("host", "end")
 #: Columns left out when no rank has a value above 0 in them (most runs have no
 #: buffer broadcast or collective of their own), with the split key they show.
@@ -133,21 +132,32 @@ def table_lines(ranks: list[dict[str, Any]]) -> list[str]:
     """The per-rank table: medians per step in ms, host context, how each rank ended."""
     if not ranks:
         return ["no rank sent anything readable"]
-    hidden = {
-        name
-        for name, key in _OPTIONAL.items()
-        if not any((r["split_ms"].get(key) or 0) > 0 for r in ranks)
-    }
+    hidden = _hidden(ranks, "split_ms")
     keep = [i for i, name in enumerate(_COLUMNS) if name not in hidden]
     names = [_COLUMNS[i] for i in keep]
     rows = [[row[i] for i in keep] for row in (_row(r) for r in ranks)]
-    widths = [max(len(name), *(len(row[i]) for row in rows)) for i, name in enumerate(names)]
     legend = "comm = blocked on all-reduce"
     if "sync" in names:
         legend += ", sync = in DDP's buffer broadcast / Join syncs"
     if "coll" in names:
         legend += ", coll = in the script's own collectives"
-    out = [f"per rank (medians per step, ms; {legend}, ar-wait = waiting for other ranks):"]
+    head = f"per rank (medians per step, ms; {legend}, ar-wait = waiting for other ranks):"
+    return [head, *_grid(names, rows)]
+
+
+def _hidden(ranks: list[dict[str, Any]], part: str) -> set[str]:
+    """The optional columns no rank has a value above 0 in, in its ``part`` map."""
+    return {
+        name
+        for name, key in _OPTIONAL.items()
+        if not any((r[part].get(key) or 0) > 0 for r in ranks)
+    }
+
+
+def _grid(names: list[str], rows: list[list[str]]) -> list[str]:
+    """A header and rows, each column as wide as its widest cell, _LEFT ones to the left."""
+    widths = [max(len(name), *(len(row[i]) for row in rows)) for i, name in enumerate(names)]
+    out = []
     for row in [names, *rows]:
         cells = [
             cell.ljust(widths[i]) if names[i] in _LEFT else cell.rjust(widths[i])
@@ -160,7 +170,7 @@ def table_lines(ranks: list[dict[str, Any]]) -> list[str]:
 #: Share of a rank's step time beyond its median pace (median x steps) from which the
 #: text adds the totals table: there, long steps hold time the medians do not show.
 LONG_STEPS_SHARE = 0.2
-_TOTAL_COLUMNS = ("rank", "steps", "data", "fwd", "bwd", "comm", "sync", "coll", "opt", "other")
+_TOTAL_COLUMNS = ("rank", "steps", *_PARTS)
 
 
 def _beyond_median(r: dict[str, Any]) -> float:
@@ -179,25 +189,18 @@ def totals_lines(ranks: list[dict[str, Any]]) -> list[str]:
     share, worst = max(tails, default=(0.0, -1))
     if share < LONG_STEPS_SHARE:
         return []
-    hidden = {
-        name
-        for name, key in _OPTIONAL.items()
-        if not any((r["total_s"].get(key) or 0) > 0 for r in ranks)
-    }
+    hidden = _hidden(ranks, "total_s")
     names = [n for n in _TOTAL_COLUMNS if n not in hidden]
-    keys = [k for k, n in zip(SPLIT, _COLUMNS[4:12], strict=True) if n not in hidden]
+    keys = [k for k, n in zip(SPLIT, _PARTS, strict=True) if n not in hidden]
     rows = [
         [str(r["rank"]), f"{r['total_s']['step']:.2f}", *(f"{r['total_s'][k]:.2f}" for k in keys)]
         for r in ranks
     ]
-    widths = [max(len(n), *(len(row[i]) for row in rows)) for i, n in enumerate(names)]
-    out = [
+    head = (
         f"per rank (totals over the run, s): steps longer than the median hold "
         f"{100 * share:.0f}% of rank {worst}'s step time, which the medians above do not show"
-    ]
-    for row in [names, *rows]:
-        out.append("  " + "  ".join(c.rjust(widths[i]) for i, c in enumerate(row)).rstrip())
-    return out
+    )
+    return [head, *_grid(names, rows)]
 
 
 def _row(r: dict[str, Any]) -> list[str]:
