@@ -45,6 +45,10 @@ from ddpscope.schema import WAITING_PHASES
 #: Seconds the training thread must be in one phase, outside the collectives,
 #: before the rate is measured.
 MEASURE_AFTER_S = 1.0
+#: Share of an interval the training thread was runnable from which it computes, and
+#: computing is work whatever the process moves (the hang rule's BUSY_SHARE; tests
+#: hold the two equal).
+COMPUTING_SHARE = 0.5
 #: struct tcp_info (linux/tcp.h): tcpi_bytes_acked and tcpi_bytes_received, two
 #: u64 after 104 bytes of u8/u32 fields and the two u64 pacing rates (Linux 4.1+).
 _TCP_INFO = getattr(socket, "TCP_INFO", 11)
@@ -108,14 +112,14 @@ class TransferRate:
         """Add ``moved_bps`` to a heartbeat's fields while the training thread has been
         in one phase outside the collectives long enough to measure it, and is not
         computing (``runnable_ns``, its time on or waiting for a CPU, grew by less
-        than half the interval: a computing rank is working whatever it moves)."""
+        than COMPUTING_SHARE of the interval)."""
         last_ns, last_runnable = self._runnable_at
         self._runnable_at = (now_ns, runnable_ns)
         computing = (
             runnable_ns >= 0
             and last_runnable >= 0
             and now_ns > last_ns
-            and 2 * (runnable_ns - last_runnable) >= now_ns - last_ns
+            and runnable_ns - last_runnable >= COMPUTING_SHARE * (now_ns - last_ns)
         )
         if (
             phase in WAITING_PHASES

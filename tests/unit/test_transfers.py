@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from ddpscope.hooks.transfers import MEASURE_AFTER_S, TransferRate, read_io, tcp_bytes
+from ddpscope.hooks.transfers import (
+    COMPUTING_SHARE,
+    MEASURE_AFTER_S,
+    TransferRate,
+    read_io,
+    tcp_bytes,
+)
 
 MB = 1 << 20
 
@@ -162,6 +168,12 @@ def test_a_phase_change_starts_the_interval_again() -> None:
     assert _beat(rate, "forward", 1.2) == {}  # the first measured beat of the new phase
     assert "moved_bps" in _beat(rate, "forward", 2.2)
     rate.close()
+
+
+def test_computing_means_what_it_means_to_the_hang_rule() -> None:
+    from ddpscope.analysis.detectors.hang import BUSY_SHARE
+
+    assert COMPUTING_SHARE == BUSY_SHARE
 
 
 def test_a_computing_training_thread_is_not_measured() -> None:
