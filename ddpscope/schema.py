@@ -257,6 +257,10 @@ class Step(Message):
     #: Content digest (63 bits) of the latest of a DataLoader pass's first batches
     #: the step drew; 0 past them or with none. Equal on every rank: the same data.
     batch_digest: int = 0
+    #: ``loader_pass`` and ``epoch`` are those of the pass the training thread last drew
+    #: a batch from (with gradients on): the pass the step trained on. False: of the pass
+    #: whose sampler last yielded (no draw seen on that thread, or an older rank).
+    drawn: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from typing import IO
 
-from ddpscope.analysis.state import RunState
+from ddpscope.analysis.state import MAX_PASSES, RunState
 from ddpscope.analysis.waits import bucket_waits
 from ddpscope.record.reader import RunDir
 from ddpscope.record.stream import RunStream
@@ -197,10 +197,21 @@ class RankTally:
         self.calls: dict[int, Counter[CollKey]] = {}
         self.blocked: dict[int, Counter[CollKey]] = {}
         self.epochs: set[int] = set()
-        #: (rank, loader) -> its training passes: a loader whose sampler never
-        #: had set_epoch() called (shuffle=False needs none) is at epoch 0 in all.
-        self.passes: Counter[tuple[int, int]] = Counter()
+        #: (rank, loader) -> its passes begun in training mode: a loader whose sampler
+        #: never had set_epoch() called (shuffle=False needs none) is at epoch 0 in all.
+        self.begun: Counter[tuple[int, int]] = Counter()
+        #: (rank, loader) -> the passes its steps drew from (Step.drawn), which the
+        #: mode at iter() misjudges under engines that switch it in their step function.
+        self.drawn: Counter[tuple[int, int]] = Counter()
+        #: rank -> global pass -> its loader, until a drawn step counts the pass (the
+        #: latest MAX_PASSES per rank: evaluations are never counted).
+        self._loader_of: dict[int, dict[int, int]] = {}
         self.waits = WaitSample()
+
+    @property
+    def passes(self) -> Counter[tuple[int, int]]:
+        """Per (rank, loader), its training passes: drawn from where the ranks say."""
+        return self.drawn if self.drawn else self.begun
 
     def file_message(self, rank: int, msg: Message) -> None:
         """A message as its file (header ``rank``) holds it, accepted or not."""
@@ -211,13 +222,23 @@ class RankTally:
 
     def fed(self, msg: Message, run: RunState) -> None:
         """After the analysis took ``msg`` (called for every message fed)."""
-        if isinstance(msg, SamplerPass) and msg.training:
-            self.passes[(msg.rank, msg.loader)] += 1
+        if isinstance(msg, SamplerPass):
+            if msg.training:
+                self.begun[(msg.rank, msg.loader)] += 1
+            if msg.global_pass >= 0:
+                of = self._loader_of.setdefault(msg.rank, {})
+                of[msg.global_pass] = msg.loader
+                if len(of) > MAX_PASSES:
+                    del of[next(iter(of))]
         if not isinstance(msg, Step):
             return
         row = run.by_step.get(msg.step)
         if row is None or row.get(msg.rank) is not msg:
             return  # refused (a duplicate, absurd values): not among the rank's steps
+        if msg.drawn and msg.model == 0:
+            loader = self._loader_of.get(msg.rank, {}).pop(msg.loader_pass, None)
+            if loader is not None:
+                self.drawn[(msg.rank, loader)] += 1
         self.steps.add(
             msg.rank,
             (

@@ -61,10 +61,19 @@ calls = 0
 #: Digest of the latest of a pass's first batches drawn on the training thread; the
 #: step tracker takes it (and sets 0) when the step closes. 0: none since.
 batch_digest = 0
+#: The attribute under which the sampler probe (hooks/samplers.py) leaves each iterator
+#: the pass it is drawing (set at every ``iter()``: persistent workers reuse iterators).
+PASS_ATTR = "_ddpscope_pass"
+#: The pass of the latest batch drawn on the training thread with gradients on (None:
+#: none yet, or a loader the probe did not follow). The step tracker names it as the
+#: pass the step trained on: the sampler that yielded last may be an evaluation's whose
+#: loader prefetched, and the model's mode at ``iter()`` lags where an engine switches
+#: it inside its step function (ignite sets ``model.train()`` after the batch is drawn).
+drawn: Any = None
 
 
 def _next(it: Any) -> Any:
-    global waited_ns, calls, batch_digest
+    global waited_ns, calls, batch_digest, drawn
     run = _orig_next
     assert run is not None
     if _get_ident() != _owner or not _grad_enabled():
@@ -84,6 +93,7 @@ def _next(it: Any) -> Any:
         if marks and st.phase == "data":
             st.phase = "idle"
             st.since_ns = t1
+    drawn = getattr(it, PASS_ATTR, None)
     # torch counts the batches of the current pass (reset by each iter()).
     if getattr(it, "_num_yielded", DIGEST_BATCHES + 1) <= DIGEST_BATCHES:
         try:
@@ -111,12 +121,13 @@ def install(state: Any = None) -> None:
 
 def uninstall() -> None:
     """Restore torch's own ``__next__`` unless someone patched on top of ours."""
-    global _orig_next, _patched_next, _owner, _state
+    global _orig_next, _patched_next, _owner, _state, drawn
     _owner = 0
     _state = None
+    drawn = None
     if _iter_class is not None and _iter_class.__dict__.get("__next__") is _patched_next:
         _iter_class.__next__ = _orig_next  # type: ignore[attr-defined]
         _orig_next = _patched_next = None
 
 
-__all__ = ["batch_digest", "calls", "install", "uninstall", "waited_ns"]
+__all__ = ["PASS_ATTR", "batch_digest", "calls", "drawn", "install", "uninstall", "waited_ns"]

@@ -55,6 +55,9 @@ class StepRecord(NamedTuple):
     #: Content digest of the latest of a pass's first batches the step drew
     #: (hooks/batchdigest.py); 0 past them or with none.
     batch_digest: int
+    #: ``loader_pass`` names the pass the training thread last drew a batch from
+    #: (hooks/loaderwait.py), not only the one whose sampler last yielded.
+    drawn: bool
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

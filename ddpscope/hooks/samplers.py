@@ -79,6 +79,10 @@ does not erase the training epoch). ``last_pass`` is the process-wide id
 (counter per probe, over all loaders, from 0) of the most recent pass of any
 loader whose tap yielded an item, -1 before.
 
+Each iterator ``iter()`` returns also carries its pass (``PASS_ATTR``): the
+training thread's draws name the pass a step trained on (hooks/loaderwait.py),
+which ``last_pass`` cannot where an evaluation's loader prefetched last.
+
 Any exception in the probe's own code disables it with one warning on the
 "ddpscope" logger; the user's loop continues untouched. Forked DataLoader
 workers inherit the patch but never post: the pid captured at ``install`` is
@@ -116,6 +120,7 @@ from torch.utils.data import dataloader as _torch_dataloader
 
 __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"]
 
+from ddpscope.hooks.loaderwait import PASS_ATTR
 from ddpscope.schema import SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
 
@@ -513,7 +518,7 @@ class SamplerProbe:
     def _iter(self, loader: Any, orig: Callable[[Any], Any]) -> Any:
         rec = self._guard(self._begin, loader)
         if rec is None:
-            return orig(loader)
+            return _tagged(orig(loader), None)
         prev = getattr(_tls, "ctx", None)
         _tls.ctx = (self, rec)
         try:
@@ -522,7 +527,7 @@ class SamplerProbe:
             _tls.ctx = prev
         if not rec.tapped and rec.open:
             self._guard(self._wrap_late, rec, it)
-        return it
+        return _tagged(it, rec)
 
     def _state_of(self, loader: Any) -> _LoaderState:
         try:
@@ -720,6 +725,16 @@ class SamplerProbe:
             for rec in self._open.values():
                 rec.token = None
         _log.warning("sampler probe disabled after an internal error: %r", exc, exc_info=exc)
+
+
+def _tagged(it: Any, rec: _Pass | None) -> Any:
+    """Leave on the iterator the pass it draws (hooks/loaderwait.py reads it per batch);
+    None for a loader without indices to follow, so a reused iterator names no old pass."""
+    try:
+        setattr(it, PASS_ATTR, rec)
+    except (AttributeError, TypeError):
+        pass  # a generator or a slotted iterator of its own: steps name the sampler's pass
+    return it
 
 
 # --- process-wide patch ------------------------------------------------------

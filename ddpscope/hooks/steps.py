@@ -841,6 +841,9 @@ class StepTracker:
             self._close_layout(step, b_index, end)
         every = self.bucket_every if self.fixed_every is None else self.fixed_every
         sampler = self.sampler
+        # The pass the training thread last drew from, else the one whose sampler last
+        # yielded (a loop drawing on a thread of its own).
+        drawn = loaderwait.drawn
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
         # tuple.__new__: the record's fields without NamedTuple's Python __new__
@@ -858,8 +861,8 @@ class StepTracker:
                 self._b_end,
                 self._bwd,
                 self._opt,
-                sampler.last_epoch,
-                sampler.last_pass,
+                drawn.epoch if drawn is not None and drawn.distributed else sampler.last_epoch,
+                sampler.last_pass if drawn is None else drawn.gid,
                 self.layout_gen,
                 self._eval_ns,
                 self._c,
@@ -872,6 +875,7 @@ class StepTracker:
                 fetches,
                 self._fwd == 0 and self._bwd > 0,
                 loaderwait.batch_digest,
+                drawn is not None,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
@@ -1082,6 +1086,8 @@ class StepTracker:
             fields["bypassed"] = True
         if rec.batch_digest:
             fields["batch_digest"] = rec.batch_digest
+        if rec.drawn:
+            fields["drawn"] = True
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

@@ -164,7 +164,9 @@ class Sim:
             )
         )
 
-    def steps(self, rank: int, n: int = 1, *, tag: int | None = None, epoch: int = -1) -> None:
+    def steps(
+        self, rank: int, n: int = 1, *, tag: int | None = None, epoch: int = -1, drawn: bool = False
+    ) -> None:
         for _ in range(n):
             self.msgs.append(
                 Step(
@@ -185,6 +187,7 @@ class Sim:
                     epoch=epoch,
                     loader_pass=self.last_pass[rank] if tag is None else tag,
                     join=self.join,
+                    drawn=drawn,
                 )
             )
             self.step[rank] += 1

@@ -9,8 +9,9 @@ twice. PyTorch Lightning warns of it before every multi-device validation;
 this says when it actually happens, and how many samples.
 
 How it is seen. A pass over a DistributedSampler with no training step drawn
-from it (the pass ledger's evaluation: model in eval mode or grad disabled at
-``iter()``), run to its end on every shard (every index of ``len(sampler)``
+from it (the pass ledger's evaluation: no step named it as the pass it drew
+from, or on older ranks model in eval mode or grad disabled at ``iter()``),
+run to its end on every shard (every index of ``len(sampler)``
 drawn): the shards' drawn indices (one
 rank per ``sampler_rank``, so data-parallel groups of a 2-D layout count once)
 add up to more than the loader's dataset holds. Measured, not computed from
@@ -93,12 +94,12 @@ class _EvalRun:
 
 
 def _evaluation(rec: PassRec) -> bool:
+    """An evaluation (the ledger's verdict: no step trained on it) that DistributedSampler
+    may pad, run to its end."""
     b, e = rec.begin, rec.end
     return (
         b is not None
         and e is not None
-        and not b.training
-        and rec.steps == 0
         and b.distributed
         and not b.drop_last
         and b.repeats <= 1
@@ -124,7 +125,7 @@ class PaddedEvaluationDetector(LedgerDetector[_EvalRun]):
             return
         st = self._run(run.run_id)
         for ev in st.ledger.update(msg):
-            if ev.kind == "end" and ev.rec is not None and _evaluation(ev.rec):
+            if ev.kind == "evaluation" and ev.rec is not None and _evaluation(ev.rec):
                 self._ended(st, ev.rec, book)
 
     def _ended(self, st: _EvalRun, rec: PassRec, book: FindingBook) -> None:

@@ -20,13 +20,26 @@ Scripts iterate loaders for many reasons besides training: a peek
 step to one pass of its rank: the pass the step names when that is a training
 pass that had begun by then, else the most recently begun training pass still
 current on its loader (Step.loader_pass is "last pass that yielded", which an
-evaluation loop in mid-epoch overwrites). A pass is *trained* from its first
+evaluation loop in mid-epoch overwrites). A step that says it was ``drawn``
+names the pass the training thread last drew a batch from: that pass, whatever
+its ``training`` flag said at ``iter()`` (an engine that sets ``model.train()``
+inside its step function, as ignite does, begins each epoch's pass with the
+model still in the evaluator's eval mode, and each evaluation's in train mode).
+A pass is *trained* from its first
 attributed step, and only trained passes count. That is what keeps peeks (no
 step drew from them), evaluation loops (``training`` False: eval mode or grad
 disabled) and stray iterations out. The k-th trained pass of a loader on one
 rank corresponds to the k-th on every other rank (its *ordinal*). A step costs
 the ledger two comparisons while its pass tag and the rank's current passes are
 unchanged, which is nearly always.
+
+Evaluations
+-----------
+A pass no step trained on, run to its end, is an *evaluation* (``evaluation``
+event). On a rank whose steps are drawn, that is known at the rank's next step
+that drew from another pass (a pass can end before its first step: a loader's
+workers prefetch a short epoch whole) or at the rank's end; on other ranks, at
+the pass's end from its ``training`` flag.
 
 One ledger per run, held by the analysis' :class:`PassLedgers` that
 ``build.default_detectors`` hands to all of them, so its work is done
@@ -90,8 +103,13 @@ class PassRec:
         return self.begin.expected if self.begin is not None else -1
 
 
+#: The step tag cache's "nothing cached" (a key is the tag times 2 plus drawn: >= -2).
+_NO_TAG = -3
+
+
 class Event(NamedTuple):
-    #: "begin", "end", "first_step" (pass became trained), "step", "final", "rank_end".
+    #: "begin", "end", "first_step" (pass became trained), "step", "final", "rank_end",
+    #: "evaluation" (a pass run to its end that no step trained on).
     kind: str
     rank: int
     rec: PassRec | None = None
@@ -109,11 +127,15 @@ class _RankPasses:
         self.current: dict[int, PassRec] = {}
         #: The last step's attribution, reused while its tag and the current passes
         #: stay the same: the per-step cost of the ledger is then two comparisons.
-        self.last_tag = -2
+        self.last_tag = _NO_TAG
         self.last_rec: PassRec | None = None
         self.trained: dict[int, int] = {}
         self.last_trained: dict[int, PassRec] = {}
         self.ended = False
+        #: The rank's steps name the pass they drew from (Step.drawn).
+        self.draws = False
+        #: Passes ended with no step, judged at the rank's next drawn step or its end.
+        self.untrained: list[PassRec] = []
 
 
 def _usable(rec: PassRec, step: int) -> bool:
@@ -154,6 +176,14 @@ class PassLedger:
             self._rank_end(msg.rank)
         return self.events
 
+    def mode_tells(self, rec: PassRec) -> bool:
+        """Can the mode at ``iter()`` be taken for whether ``rec`` trains? Not on a rank
+        whose steps name their passes while its loader has not trained there yet: an
+        engine that switches the mode in its step function (ignite) begins its first
+        evaluation in train mode. The pass's first step settles it then."""
+        rp = self.ranks.get(rec.rank)
+        return rp is None or not rp.draws or rp.trained.get(rec.loader, 0) > 0
+
     def _record(self, rp: _RankPasses, rank: int, loader: int, pass_id: int) -> PassRec:
         rec = PassRec(rank, loader, pass_id, -1)
         rp.by_key[(loader, pass_id)] = rec
@@ -180,6 +210,8 @@ class PassLedger:
             rec = self._record(rp, msg.rank, msg.loader, msg.pass_id)
         if rp.next_gid == 0 and msg.loader == 0 and msg.pass_id == 0:
             rp.offset = 0  # we saw this process's first pass: our count is its count
+        elif rp.offset is None and msg.global_pass >= 0:
+            rp.offset = msg.global_pass - rp.next_gid  # its count, sent since schema 1
         rec.begin = msg
         rec.gid = rp.next_gid
         rp.next_gid += 1
@@ -187,7 +219,7 @@ class PassLedger:
         cur = rp.current.get(msg.loader)
         if cur is None or cur.pass_id < msg.pass_id:
             rp.current[msg.loader] = rec
-        rp.last_tag = -2
+        rp.last_tag = _NO_TAG
         self.events.append(Event("begin", msg.rank, rec))
 
     def _end(self, msg: SamplerPassEnd) -> None:
@@ -203,23 +235,38 @@ class PassLedger:
             # No step will draw from it; scripts that build a new eval loader every epoch
             # would otherwise grow the scan each step makes over current passes.
             del rp.current[rec.loader]
-            rp.last_tag = -2
+            rp.last_tag = _NO_TAG
         self.events.append(Event("end", msg.rank, rec))
+        if rec.steps == 0 and rec.begin is not None:
+            if rp.draws:
+                rp.untrained.append(rec)
+            elif evaluation:
+                self.events.append(Event("evaluation", msg.rank, rec))
+
+    def _judge_untrained(self, rp: _RankPasses, rank: int, trained: PassRec | None) -> None:
+        for rec in rp.untrained:
+            if rec is not trained and rec.steps == 0:
+                self.events.append(Event("evaluation", rank, rec))
+        rp.untrained.clear()
 
     def _step(self, msg: Step) -> None:
         if msg.model != 0:
             return  # a second DDP model in the process steps on the same batches
         rp = self.ranks.get(msg.rank) or self.rank(msg.rank)
-        if msg.loader_pass == rp.last_tag:
+        key = msg.loader_pass * 2 + msg.drawn
+        if key == rp.last_tag:
             rec = rp.last_rec
         elif not rp.current and not rp.by_gid:
             return  # no pass seen on this rank (no DistributedSampler): none to attribute to
         else:
+            rp.draws = rp.draws or msg.drawn
             rec = self._attribute(rp, msg)
             # Cache only a current pass: a late step's pass stops being the answer once
             # the step index passes the next pass's first step.
             cacheable = rec is not None and rp.current.get(rec.loader) is rec
-            rp.last_tag, rp.last_rec = (msg.loader_pass, rec) if cacheable else (-2, None)
+            rp.last_tag, rp.last_rec = (key, rec) if cacheable else (_NO_TAG, None)
+        if rp.untrained and msg.drawn:
+            self._judge_untrained(rp, msg.rank, rec)
         if rec is None:
             return
         tag = msg.loader_pass
@@ -238,6 +285,8 @@ class PassLedger:
         if rp.offset is None and tag >= 0 and len(cands) == 1:
             rp.offset = tag - cands[0].gid
         tagged = rp.by_gid.get(tag - rp.offset) if rp.offset is not None and tag >= 0 else None
+        if msg.drawn and tagged is not None and tagged.begin is not None and tagged.begin.step <= s:
+            return tagged  # the training thread drew the step's batches from it
         if tagged is not None and _usable(tagged, s):
             if tagged in cands:
                 return tagged
@@ -273,6 +322,7 @@ class PassLedger:
         if rp.ended:
             return
         rp.ended = True
+        self._judge_untrained(rp, rank, None)
         for rec in rp.last_trained.values():
             self._finalize(rec)
         self.events.append(Event("rank_end", rank))

@@ -2,11 +2,14 @@
 
 (b) At ``iter()``, from the DistributedSampler settings alone: ``num_replicas``
 not the world size, seeds or ``shuffle`` that differ across ranks, two ranks
-passing the same sampler rank. (a) At the first step of a pass over a
-non-distributed sampler that draws all ``len(dataset)`` indices of an unwrapped
-dataset on two or more ranks, through the stock BatchSampler only: a batch
-sampler of its own may shard above the sampler (accelerate's BatchSamplerShard
-keeps each rank's own batches of one shared order), so what such a loader
+passing the same sampler rank. Judged at ``iter()`` for a pass begun in
+training mode while that mode can be believed (the ledger's ``mode_tells``),
+else at the pass's first step: ignite begins each evaluation in train mode.
+(a) At the first step of a pass over a non-distributed sampler that draws all
+``len(dataset)`` indices of an unwrapped dataset on two or more ranks, through
+the stock BatchSampler only: a batch sampler of its own may shard above the
+sampler (accelerate's BatchSamplerShard keeps each rank's own batches of one
+shared order), so what such a loader
 yields is left to (c). (c) At each pass end, measured: the sketches of
 corresponding passes are put in one table at a common power-of-two modulus (an
 index in two ranks' sketches was drawn by both), and a rank's overlap is the
@@ -202,19 +205,21 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
             if rec is None:
                 continue
             if ev.kind == "begin":
-                self._begun(run, st, rec, book)
+                if rec.begin is not None and rec.begin.training and st.ledger.mode_tells(rec):
+                    self._begun(run, st, rec, book)
             elif ev.kind == "first_step":
+                self._begun(run, st, rec, book)  # the same settings again cost a lookup
                 self._plain(run, st, rec, book)
                 if rec.end is not None:
                     self._measure(run, st, rec, book)
             elif ev.kind == "end" and rec.steps > 0:
                 self._measure(run, st, rec, book)
 
-    # (b) settings, at iter() ------------------------------------------------------
+    # (b) settings, at iter() or the first step --------------------------------------
 
     def _begun(self, run: RunState, st: _ShardRun, rec: PassRec, book: FindingBook) -> None:
         b = rec.begin
-        if b is None or not b.training:
+        if b is None:
             return
         begins = st.begins.setdefault(b.loader, {})
         begins[b.rank] = b
