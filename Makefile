@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	# The frameworks test tier runs real installs, pinned; torch is named again so
 	# that the resolver keeps the CPU wheel instead of pulling another build.
 	$(PY) -m pip install -q torch==2.13.0 pytorch-lightning==2.6.6 transformers==5.23.0 \
-		accelerate==1.15.0
+		accelerate==1.15.0 pytorch-ignite==0.5.5
 	rm -f $(VENV)/.installed-*
 	touch $@
 
