@@ -103,8 +103,10 @@ def plain_plan(indices: Sequence[int], dataset_len: int, *, depth: int = 0, **kw
 class Sim:
     """Messages N ranks would send; ``t`` orders them."""
 
-    def __init__(self, world: int, *, sketch_mod: int = 1) -> None:
+    def __init__(self, world: int, *, sketch_mod: int = 1, numbered: bool = False) -> None:
         self.world = world
+        #: Begins carry the process's own pass number (SamplerPass.global_pass).
+        self.numbered = numbered
         self.sketch_mod = sketch_mod
         self.msgs: list[Message] = list(run_infos(world, run=RUN))
         self.t = 1
@@ -140,6 +142,7 @@ class Sim:
                 pass_id=pid,
                 step=self.step[rank],
                 training=training,
+                global_pass=self.gid[rank] if self.numbered else -1,
                 **values,
             )
         )

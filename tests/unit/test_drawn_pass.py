@@ -103,7 +103,7 @@ def _ignite_sim(
 ) -> Sim:
     """What ``world`` ranks of an ignite job send: training passes begun in eval mode
     after the first, evaluations begun in train mode, steps naming the drawn pass."""
-    sim = Sim(world)
+    sim = Sim(world, numbered=True)
     for epoch in range(EPOCHS):
         for r in range(world):
             plan = dist_plan(256, world, r, epoch=epoch if set_epoch else 0)
@@ -153,6 +153,18 @@ def test_an_evaluation_begun_in_train_mode_is_not_judged_by_the_training_setting
     sim = Sim(2)  # the same settings on a loader that trains are named
     sim.epoch({r: dist_plan(256, 1, 0) for r in range(2)}, batch=8)
     assert [f.kind for f in _sampling(sim)] == ["unsharded_data"]
+
+
+def test_a_lost_pass_begin_shifts_no_later_pass() -> None:
+    """A watcher that dropped a message under load: the steps' pass numbers are the
+    process's own (SamplerPass.global_pass), so the passes after it still match."""
+    sim = _ignite_sim(2, set_epoch=False, plain_eval=True)
+    (lost,) = [
+        m for m in sim.msgs if isinstance(m, SamplerPass) and m.rank == 1 and m.global_pass == 1
+    ]
+    sim.msgs.remove(lost)  # rank 1's first evaluation
+    (f,) = _sampling(sim)
+    assert f.kind == "missing_set_epoch" and f.ranks == [0, 1]
 
 
 def test_every_padded_evaluation_of_an_ignite_run_counts() -> None:

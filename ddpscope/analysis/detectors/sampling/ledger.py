@@ -121,8 +121,9 @@ class _RankPasses:
         self.by_gid: dict[int, PassRec] = {}
         self.order: deque[PassRec] = deque()
         self.next_gid = 0
-        #: The process's pass id minus ours; learnt from an unambiguous step, since
-        #: a watcher that started mid-run missed the first passes.
+        #: The process's pass id minus ours: 0 where begins carry the process's own
+        #: numbers (SamplerPass.global_pass); from older ranks learnt from an
+        #: unambiguous step, since a watcher that started mid-run missed the first passes.
         self.offset: int | None = None
         self.current: dict[int, PassRec] = {}
         #: The last step's attribution, reused while its tag and the current passes
@@ -208,10 +209,13 @@ class PassLedger:
             rec = None
         if rec is None:
             rec = self._record(rp, msg.rank, msg.loader, msg.pass_id)
-        if rp.next_gid == 0 and msg.loader == 0 and msg.pass_id == 0:
+        if msg.global_pass >= 0:
+            # The process numbers its passes itself: nothing to learn, and a begin lost
+            # on the way (a watcher that dropped messages) shifts no later pass.
+            rp.offset = 0
+            rp.next_gid = msg.global_pass
+        elif rp.next_gid == 0 and msg.loader == 0 and msg.pass_id == 0:
             rp.offset = 0  # we saw this process's first pass: our count is its count
-        elif rp.offset is None and msg.global_pass >= 0:
-            rp.offset = msg.global_pass - rp.next_gid  # its count, sent since schema 1
         rec.begin = msg
         rec.gid = rp.next_gid
         rp.next_gid += 1
