@@ -66,8 +66,9 @@ straggler when all of these hold over its window:
 - size: the median excess is at least ``min_excess_ns``, so sub-millisecond
   steps where scheduler jitter rules are left alone.
 
-It stays flagged until the median ratio falls below ``release``; then the
-finding is resolved.
+A rank under the score but slow on nearly every step of the last 100 is named
+from that longer view too (``ratios.py``: median ratio 1.2 or more). It stays
+flagged until the median ratio falls below ``release``; then it is resolved.
 
 A rank found slow whose extra own work is mostly time its training thread was
 runnable but waiting for a CPU (``Step.rq_wait_ns``), and that keeps pace on a
@@ -94,6 +95,7 @@ from statistics import median
 from typing import Any
 
 from ddpscope.analysis.detectors import contention
+from ddpscope.analysis.detectors.ratios import LongView, Sample, Window, log_z, onset_of
 from ddpscope.analysis.detectors.slow_evidence import (
     FIX,
     PHASE_LABEL,
@@ -110,67 +112,6 @@ from ddpscope.analysis.waits import bucket_waits, median_without, own_ns
 from ddpscope.schema import Message, Step
 
 KIND = "straggler"
-
-
-# Not frozen: one is made per rank and complete step (4,096 a step at 4,096
-# ranks), and a frozen dataclass's __init__ costs ~6x a plain one's. Never changed.
-@dataclass(slots=True)
-class _Sample:
-    step: int
-    #: The rank's step time, own work, and the others' median own work (ns).
-    dur: int
-    own: int
-    ref: float
-    ratio: float
-    slow: bool
-
-
-#: A step counts in a window's run time for at most this many typical steps (the
-#: lower median of it and the few before it): a stall is one long step, not a second
-#: of evidence.
-_SPAN_CAP = 3
-#: Step durations a window keeps to tell a typical step.
-_RECENT = 5
-
-
-@dataclass
-class _Window:
-    """The last ``size`` samples, or more when they span less than ``min_span_ns``.
-
-    A stall (a rank stopped for seconds in one step, then resumed) would fill
-    ``min_span_ns`` on its own and leave a window of a few short steps after
-    it, where scheduler noise on a loaded machine looks persistent. So each
-    step counts in the span for at most ``_SPAN_CAP`` times the lower median
-    of its own and the last ``_RECENT`` step durations: a straggler's steady
-    long steps count in full once they are the typical ones.
-    """
-
-    size: int
-    min_span_ns: int
-    cap: int
-    samples: deque[_Sample] = field(default_factory=deque)
-    #: Each sample's share of ``span``, in the same order.
-    shares: deque[int] = field(default_factory=deque)
-    recent: deque[int] = field(default_factory=lambda: deque(maxlen=_RECENT))
-    slow: int = 0
-    span: int = 0
-
-    def push(self, sample: _Sample) -> None:
-        recent = self.recent
-        typical = sorted([*recent, sample.dur])[len(recent) // 2]
-        share = min(sample.dur, _SPAN_CAP * typical)
-        recent.append(sample.dur)
-        self.samples.append(sample)
-        self.shares.append(share)
-        self.slow += sample.slow
-        self.span += share
-        samples, shares = self.samples, self.shares
-        while len(samples) > self.cap or (
-            len(samples) > self.size and self.span - shares[0] >= self.min_span_ns
-        ):
-            old = samples.popleft()
-            self.slow -= old.slow
-            self.span -= shares.popleft()
 
 
 @dataclass
@@ -193,7 +134,9 @@ class _Flag:
 class _Memo:
     """What the detector remembers about one run."""
 
-    windows: dict[int, _Window] = field(default_factory=dict)
+    windows: dict[int, Window] = field(default_factory=dict)
+    #: Per rank, the long view: its last ``steady_steps`` samples (ratios.py).
+    steady: dict[int, LongView] = field(default_factory=dict)
     flagged: dict[int, _Flag] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     done_order: deque[int] = field(default_factory=deque)
@@ -236,6 +179,9 @@ class StragglerDetector:
         min_excess_ns: int = 500_000,
         release: float = 1.15,
         evidence_every: int = 10,
+        steady_steps: int = 100,
+        steady_ratio: float = 1.2,
+        steady_persist: float = 0.9,
     ) -> None:
         self.mode = mode
         self.window = window
@@ -250,6 +196,9 @@ class StragglerDetector:
         self.min_excess_ns = min_excess_ns
         self.release = release
         self.evidence_every = evidence_every
+        self.steady_steps = steady_steps
+        self.steady_ratio = steady_ratio
+        self.steady_persist = steady_persist
         self._memos: dict[str, _Memo] = {}
 
     # --- Detector protocol -----------------------------------------------------
@@ -330,44 +279,50 @@ class StragglerDetector:
             ratio = value / ref
             win = memo.windows.get(r)
             if win is None:
-                win = memo.windows[r] = _Window(self.window, self.min_span_ns, self.max_window)
+                win = memo.windows[r] = Window(self.window, self.min_span_ns, self.max_window)
             s = row[r]
-            win.push(_Sample(step, s.t_end - s.t_start, value, ref, ratio, ratio >= self.step_slow))
+            slow = ratio >= self.step_slow
+            sample = Sample(step, s.t_end - s.t_start, value, ref, ratio, slow)
+            win.push(sample)
+            long = memo.steady.get(r)
+            if long is None:
+                long = LongView(self.steady_steps, self.min_span_ns, self.max_window)
+                memo.steady[r] = long
+            long.push(sample)
             n = len(win.samples)
-            if r not in memo.flagged and (
-                n < self.min_steps or win.span < self.min_span_ns or win.slow < self.persist * n
-            ):
+            quiet = n < self.min_steps or win.span < self.min_span_ns or win.slow < self.persist * n
+            if quiet and r not in memo.flagged and not long.mostly_slow(self.steady_persist):
                 continue  # cheap screen: most ranks stop here
             self._judge(run, memo, r, win, step, book)
 
-    def _verdict(self, win: _Window) -> _Verdict:
+    def _verdict(self, win: Window) -> _Verdict:
         samples = win.samples
-        logs = [math.log(s.ratio) if s.ratio > 0 else -50.0 for s in samples]
-        center = median(logs)
-        mad = median(abs(x - center) for x in logs)
-        # 1.4826 MAD estimates sigma; a median's standard error is ~1.2533 sigma / sqrt(n).
-        se = 1.4826 * mad * 1.2533 / math.sqrt(len(logs))
-        z = center / se if se > 0 else (math.inf if center > 0 else 0.0)
         return _Verdict(
             ratio=median(s.ratio for s in samples),
             persist=win.slow / len(samples),
-            z=z,
+            z=log_z(s.ratio for s in samples),
             own=median(s.own for s in samples),
             ref=median(s.ref for s in samples),
         )
 
     def _judge(
-        self, run: RunState, memo: _Memo, r: int, win: _Window, step: int, book: FindingBook
+        self, run: RunState, memo: _Memo, r: int, win: Window, step: int, book: FindingBook
     ) -> None:
         v = self._verdict(win)
         flag = memo.flagged.get(r)
         if flag is None:
             if self._slow(v):
-                flag = memo.flagged[r] = _Flag(step, step, onset=_onset(win, self.persist))
-                self._name(run, r, win, v, step, flag, book)
+                onset = onset_of(win, self.persist)
+            elif self._steady(memo.steady[r], v):
+                onset = memo.steady[r].onset(self.steady_persist)
+            else:
+                return
+            flag = memo.flagged[r] = _Flag(step, step, onset=onset)
+            self._name(run, r, win, v, step, flag, book)
             return
         if v.ratio < self.release:
             del memo.flagged[r]
+            memo.steady[r].clear()  # named again only after a fresh long view
             self._recovered(r, v, step, flag, book)
             return
         starved = None
@@ -384,7 +339,7 @@ class StragglerDetector:
             # margins, so that a rank near the line is not renamed back and forth.
             self._recovered(r, v, step, flag, book, starved=True)
             flag = memo.flagged[r] = _Flag(
-                step, step, onset=_onset(win, self.persist), kind=contention.KIND
+                step, step, onset=onset_of(win, self.persist), kind=contention.KIND
             )
             self._report_starved(run, r, win, step, flag, starved, book)
             return
@@ -395,7 +350,7 @@ class StragglerDetector:
             # The run queue no longer explains it: its own work does. Close the
             # contention finding and name the straggler from here on.
             self._recovered(r, v, step, flag, book)
-            flag = memo.flagged[r] = _Flag(step, step, onset=_onset(win, self.persist))
+            flag = memo.flagged[r] = _Flag(step, step, onset=onset_of(win, self.persist))
             self._report(run, r, win, v, step, flag, book)
             return
         if due:
@@ -404,6 +359,14 @@ class StragglerDetector:
                 self._report(run, r, win, v, step, flag, book)
             elif isinstance(starved, contention.Starved):
                 self._report_starved(run, r, win, step, flag, starved, book)
+
+    def _steady(self, long: LongView, v: _Verdict) -> bool:
+        """The long view's rule (ratios.py): a smaller ratio held on nearly every step,
+        as significant; the excess read on the short window."""
+        if not long.mostly_slow(self.steady_persist) or v.own - v.ref < self.min_excess_ns:
+            return False
+        ratio, z = long.verdict()
+        return ratio >= self.steady_ratio and z >= self.min_z
 
     def _slow(self, v: _Verdict) -> bool:
         return (
@@ -417,7 +380,7 @@ class StragglerDetector:
         self,
         run: RunState,
         r: int,
-        win: _Window,
+        win: Window,
         v: _Verdict,
         step: int,
         flag: _Flag,
@@ -432,7 +395,7 @@ class StragglerDetector:
             self._report_starved(run, r, win, step, flag, starved, book)
 
     def _starved(
-        self, run: RunState, r: int, win: _Window
+        self, run: RunState, r: int, win: Window
     ) -> contention.Starved | contention.Undecided | None:
         samples = win.samples
         steps = [x.step for x in samples]
@@ -444,7 +407,7 @@ class StragglerDetector:
         self,
         run: RunState,
         r: int,
-        win: _Window,
+        win: Window,
         step: int,
         flag: _Flag,
         starved: contention.Starved,
@@ -466,7 +429,7 @@ class StragglerDetector:
         self,
         run: RunState,
         r: int,
-        win: _Window,
+        win: Window,
         v: _Verdict,
         step: int,
         flag: _Flag,
@@ -573,14 +536,3 @@ class StragglerDetector:
 def _times(ratio: float) -> str:
     """A ratio as people say it: +35% below 2x, 3.2x above."""
     return f"{ratio:.1f}x" if ratio >= 2 else f"{(ratio - 1) * 100:+.0f}%"
-
-
-def _onset(win: _Window, persist: float) -> int:
-    """First step of the longest recent stretch in which the rank was mostly slow."""
-    onset = win.samples[-1].step
-    slow = 0
-    for i, s in enumerate(reversed(win.samples), 1):
-        slow += s.slow
-        if s.slow and slow >= persist * i:
-            onset = s.step
-    return onset
