@@ -211,9 +211,11 @@ HELPERS = {
     "recipe/setup.py",
     # The gradients' sizes, for gradients_reduced_twice and forward_bypasses_ddp.
     "recipe/grads.py",
-    # The straggler detector's: the CPU-contention rule and its findings' figures.
+    # The straggler detector's: the CPU-contention rule, its findings' figures, and
+    # its windows of step ratios.
     "contention.py",
     "slow_evidence.py",
+    "ratios.py",
 }
 
 
