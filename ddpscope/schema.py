@@ -363,6 +363,10 @@ class SamplerPass(Message):
     replacement: bool = False
 
 
+#: SamplerPassEnd.head holds at most this many of a pass's first indices.
+HEAD_LEN = 16
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplerPassEnd(Message):
     """The pass ended: exhausted, or abandoned when the loader was iterated again."""
@@ -377,12 +381,15 @@ class SamplerPassEnd(Message):
     complete: bool
     #: 64-bit digest of the order of (real dataset) indices drawn.
     digest: int
-    #: First indices drawn (at most 16), for a quick look.
+    #: First indices drawn (at most HEAD_LEN), for a quick look.
     head: list[int]
     #: Indices i with mix(i) % sketch_mod == 0: the same rule on every rank, so two
     #: ranks' sketches intersect exactly where their shards do.
     sketch: list[int]
     sketch_mod: int
+    #: Draws the sketch covers, when fewer than ``count`` (-1: all of them): a pass of
+    #: unknown length is sketched over its first ``dataset // world`` draws only.
+    sketch_count: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -121,12 +121,11 @@ from torch.utils.data import dataloader as _torch_dataloader
 __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"]
 
 from ddpscope.hooks.loaderwait import PASS_ATTR
-from ddpscope.schema import SamplerPass, SamplerPassEnd
+from ddpscope.schema import HEAD_LEN, SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
 
 _log = logging.getLogger("ddpscope")
 
-HEAD_LEN = 16
 _M64, _GOLDEN, _C1, _C2 = M64, GOLDEN, C1, C2
 #: Largest innermost-dataset length for which the qualifying set is precomputed.
 _MAX_DOMAIN = 1 << 27
@@ -294,6 +293,7 @@ class _Pass:
         "open",
         "pass_id",
         "pending",
+        "share",
         "sketch",
         "started",
         "tapped",
@@ -324,6 +324,9 @@ class _Pass:
         self.in_range = False
         self.distributed = False
         self.epoch = -1
+        # Draws the sketch covers (-1: all): a pass of unknown length (an infinite
+        # sampler) is sketched over its first share of the dataset only.
+        self.share = -1
         self.open = True
         self.tapped = False
         self.started = False
@@ -379,9 +382,15 @@ class _Pass:
         if not n:
             return
         self.hasher.update(arr)
-        if self.count < HEAD_LEN:
-            self.head.extend(arr[: HEAD_LEN - self.count].tolist())
+        before = self.count
+        if before < HEAD_LEN:
+            self.head.extend(arr[: HEAD_LEN - before].tolist())
         self.count += n
+        if self.share >= 0 and before + n > self.share:
+            room = self.share - before
+            if room <= 0:
+                return
+            batch, arr = batch[:room], arr[:room]
         mod = self.mod
         if mod == 1:
             self.sketch.update(batch)
@@ -409,7 +418,7 @@ class _Pass:
     def end_fields(self, step: int, complete: bool) -> dict[str, Any]:
         self.drain()
         tracked = self.tapped and not self.untracked
-        return {
+        fields = {
             "loader": self.loader,
             "pass_id": self.pass_id,
             "global_pass": self.gid,
@@ -421,6 +430,9 @@ class _Pass:
             "sketch": sorted(int(i) for i in self.sketch) if tracked else [],
             "sketch_mod": self.mod,
         }
+        if tracked and 0 <= self.share < self.count:
+            fields["sketch_count"] = self.share
+        return fields
 
 
 class _LoaderState:
@@ -580,6 +592,12 @@ class SamplerProbe:
         rec.in_range = (
             not chain and type(index_sampler) in _IN_RANGE and 0 <= _length(source) <= domain
         )
+        if expected < 0 < domain:
+            # No length: perhaps an infinite sampler (detectron2's TrainingSampler, each
+            # rank's share of one stream of permutations, one pass a run). Over the whole
+            # run every rank draws every sample; over its first share of the dataset a
+            # sharded stream is disjoint, as an epoch of DistributedSampler is.
+            rec.share = max(1, domain // _world_size())
         fields: dict[str, Any] = {
             "loader": rec.loader,
             "pass_id": rec.pass_id,
@@ -725,6 +743,11 @@ class SamplerProbe:
             for rec in self._open.values():
                 rec.token = None
         _log.warning("sampler probe disabled after an internal error: %r", exc, exc_info=exc)
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _tagged(it: Any, rec: _Pass | None) -> Any:

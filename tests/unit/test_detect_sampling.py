@@ -149,7 +149,17 @@ class Sim:
         self.gid[rank] += 1
         return pid
 
-    def end(self, rank: int, loader: int, pid: int, drawn: Sequence[int], complete: bool) -> None:
+    def end(
+        self,
+        rank: int,
+        loader: int,
+        pid: int,
+        drawn: Sequence[int],
+        complete: bool,
+        sketch_count: int = -1,
+    ) -> None:
+        """The pass's end; with ``sketch_count`` its sketch covers the first draws only."""
+        sketched = drawn[:sketch_count] if sketch_count >= 0 else drawn
         self.msgs.append(
             SamplerPassEnd(
                 run=RUN,
@@ -162,8 +172,9 @@ class Sim:
                 complete=complete,
                 digest=hash(tuple(drawn)) & ((1 << 64) - 1),
                 head=list(drawn[:16]),
-                sketch=sketch_of(drawn, self.sketch_mod),
+                sketch=sketch_of(sketched, self.sketch_mod),
                 sketch_mod=self.sketch_mod,
+                sketch_count=sketch_count,
             )
         )
 

@@ -49,7 +49,7 @@ from ddpscope.analysis.dpgroups import dp_group, dp_size
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import by_value, nth, ranks_phrase
-from ddpscope.schema import Message, SamplerPass
+from ddpscope.schema import HEAD_LEN, Message, SamplerPass
 
 #: Non-distributed samplers overlapping this much are "unsharded", not "overlapping".
 UNSHARDED_OVERLAP = 0.9
@@ -363,9 +363,12 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
                 del st.unions[k]
         if not union.add(rec) or not union.flagged:
             return  # healthy shards cost O(sketch) here, never O(ranks)
-        if _with_replacement(union) and not _same_orders(union):
+        if (_with_replacement(union) or _over_its_dataset(union)) and not _same_orders(union):
             # Draws with replacement share samples by chance, across ranks as within
-            # one; only ranks that drew the very same order (one seed) are a mistake.
+            # one, and a pass longer than its dataset (an infinite sampler, detectron2's
+            # TrainingSampler: each rank's share of a stream of permutations, one pass a
+            # run) holds every sample itself; only ranks that drew the very same order
+            # (one seed, no sharding) are a mistake.
             return
         flagged = sorted(union.flagged)
         excess = union.excess()
@@ -493,16 +496,33 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
 
 
 def _same_orders(union: SketchUnion) -> list[list[int]]:
-    """Groups of ranks whose complete passes drew the very same order (equal digests)."""
-    digests: dict[int, list[int]] = {}
+    """Groups of ranks that drew the very same order: equal digests of complete passes,
+    or the same first HEAD_LEN indices of passes left open (an infinite sampler's)."""
+    orders: dict[tuple[bool, Any], list[int]] = {}
     for r, rec in union.recs.items():
-        if rec.end is not None and rec.end.complete:
-            digests.setdefault(rec.end.digest, []).append(r)
-    return [sorted(rs) for rs in digests.values() if len(rs) > 1]
+        end = rec.end
+        if end is not None and end.complete:
+            orders.setdefault((True, end.digest), []).append(r)
+        elif end is not None and len(end.head) >= HEAD_LEN:
+            orders.setdefault((False, tuple(end.head)), []).append(r)
+    return [sorted(rs) for rs in orders.values() if len(rs) > 1]
 
 
 def _with_replacement(union: SketchUnion) -> bool:
     return any(rec.begin is not None and rec.begin.replacement for rec in union.recs.values())
+
+
+def _over_its_dataset(union: SketchUnion) -> bool:
+    """A pass's sketch covers more draws than its dataset holds: it repeats samples by
+    itself (ranks sketch a pass of unknown length over its first share only)."""
+    for rec in union.recs.values():
+        b, end = rec.begin, rec.end
+        if b is None or end is None:
+            continue
+        covered = end.sketch_count if end.sketch_count >= 0 else end.count
+        if covered > b.dataset_len > 0:
+            return True
+    return False
 
 
 def _split_differs(union: SketchUnion) -> int:
