@@ -16,7 +16,8 @@ SGD, whose replicas differ between model averages by design (info), and a
 2-D layout on 4 ranks (DDP over data-parallel subgroups, each model-parallel
 pair with its own weights and the same shard: no desync, no shard overlap),
 and weighted draws with replacement seeded per rank (they share samples by
-chance: no shard overlap).
+chance: no shard overlap), and detectron2's endless TrainingSampler (one pass
+a run: over it every rank draws every sample; no unsharded_data).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
 
 SHAPES = [
     "zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd", "dp2d",
-    "weighted",
+    "weighted", "endless",
 ]  # fmt: skip
 
 

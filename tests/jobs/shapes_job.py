@@ -29,6 +29,9 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   WeightedRandomSampler on each rank, seeded by its rank, ``len(dataset) /
   world`` samples each: together one with-replacement draw, whose ranks share
   some samples by chance;
+- ``endless``: detectron2's TrainingSampler: no length, one pass for the whole
+  run, each rank its ``rank::world`` share of one stream of seeded
+  permutations (over the run every rank draws every sample);
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import math
 import os
 import tempfile
@@ -65,8 +69,24 @@ from torch.utils.data import (
 import ddpscope
 
 SHAPES = (
-    "bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d", "weighted"
+    "bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d", "weighted",
+    "endless",
 )  # fmt: skip
+
+
+class TrainingSampler(Sampler[int]):
+    """detectron2's: an endless stream of seeded permutations, this rank's share of it."""
+
+    def __init__(self, n: int, num_replicas: int, rank: int, seed: int = 0) -> None:
+        self.n, self.num_replicas, self.rank, self.seed = n, num_replicas, rank, seed
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.islice(self._stream(), self.rank, None, self.num_replicas)
+
+    def _stream(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield from torch.randperm(self.n, generator=g).tolist()
 
 
 class RepeatAugSampler(Sampler[int]):
@@ -155,11 +175,13 @@ def main() -> None:
     images = args.shape == "bufs"
     x = torch.randn(args.samples, 3, 16, 16) if images else torch.randn(args.samples, 32)
     data = TensorDataset(x, torch.randint(0, 4, (args.samples,)))
-    sampler: DistributedSampler[int] | RepeatAugSampler = DistributedSampler(data, seed=1)
+    sampler: Sampler[int] = DistributedSampler(data, seed=1)
     dp_group = None
     draws: WeightedRandomSampler | None = None
     if args.shape == "repaug":
         sampler = RepeatAugSampler(len(data), world, rank)
+    elif args.shape == "endless":
+        sampler = TrainingSampler(len(data), world, rank, seed=1)
     elif args.shape == "weighted":
         rare = torch.arange(args.samples) % 10 == 0
         draws = WeightedRandomSampler(
@@ -225,10 +247,14 @@ def main() -> None:
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = os.path.join(tempfile.gettempdir(), f"shapes-{os.getpid()}.pt")
+    # An endless sampler's loader is iterated once; its "epochs" are counts of steps.
+    endless = iter(loader) if args.shape == "endless" else None
+    per_epoch = len(data) // world // args.batch
     for epoch in range(args.epochs):
-        if not args.no_set_epoch:
-            sampler.set_epoch(epoch)
-        for xb, yb in loader:
+        if endless is None and not args.no_set_epoch:
+            sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        batches = loader if endless is None else (next(endless) for _ in range(per_epoch))
+        for xb, yb in batches:
             opt.zero_grad()
             if args.shape == "twice":
                 a, b = model(xb), model(xb + 0.01 * torch.randn_like(xb))
