@@ -17,6 +17,7 @@ psutil, no torch and no textual: this runs in the launcher.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import psutil
@@ -25,6 +26,11 @@ from ddpscope import config
 
 #: Seconds a leftover has to exit after SIGTERM before it gets SIGKILL.
 GRACE_S = 3.0
+#: Seconds the job's processes have to end by themselves once the command ended:
+#: multiprocessing's resource tracker (every spawn-started job has one: ignite's
+#: ``Parallel(nproc_per_node=...)``, ``mp.spawn``) exits when the job's last process
+#: closes its pipe, a few milliseconds after the command, and was stopped and named.
+SETTLE_S = 1.0
 
 #: Longest command line shown for one leftover.
 _SHOWN_CHARS = 80
@@ -86,10 +92,24 @@ def stop(procs: list[psutil.Process], grace_s: float = GRACE_S) -> list[str]:
     return shown
 
 
-def stop_leftovers(mark: str, grace_s: float = GRACE_S) -> list[str]:
-    """Stop every process still carrying ``mark``; what they were (none: ``[]``)."""
+def stop_leftovers(mark: str, grace_s: float = GRACE_S, settle_s: float = SETTLE_S) -> list[str]:
+    """Stop every process still carrying ``mark`` after ``settle_s``; what they were
+    (none: ``[]``)."""
     procs = find(mark)
+    deadline = time.monotonic() + settle_s
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.05)
+        procs = [p for p in procs if _running(p)]
     return stop(procs, grace_s) if procs else []
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Still there and not a zombie: an orphan that exited waits, a zombie, until its new
+    parent reaps it, which a container's pid 1 may never do."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def summary(shown: list[str]) -> str:

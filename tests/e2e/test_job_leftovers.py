@@ -108,6 +108,23 @@ def test_a_job_that_leaves_nothing_gets_no_word_about_it(tmp_path: Path) -> None
     assert "still running" not in proc.stderr
 
 
+def test_a_helper_that_ends_by_itself_just_after_the_job_is_neither_stopped_nor_named(
+    tmp_path: Path,
+) -> None:
+    # multiprocessing's resource tracker (every spawn-started job has one) exits when
+    # the job's last process closes its pipe: a moment after the command ends.
+    late = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    time.sleep(0.3)\n"
+        "    os._exit(0)\n"
+        "sys.exit(0)\n"
+    )
+    proc = _finished(_headless_run(tmp_path, "--", sys.executable, "-c", late), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "still running" not in proc.stderr
+
+
 def test_a_polled_job_stops_its_leftovers_without_waiting_for_them(tmp_path: Path) -> None:
     # The UI polls the job: the first poll that sees it end starts the stop on
     # a thread of its own (the stubborn stray's grace period never blocks the
