@@ -120,6 +120,7 @@ from torch.utils.data import dataloader as _torch_dataloader
 
 __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"]
 
+from ddpscope.hooks import runinfo
 from ddpscope.hooks.loaderwait import PASS_ATTR
 from ddpscope.schema import HEAD_LEN, SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
@@ -597,7 +598,7 @@ class SamplerProbe:
             # rank's share of one stream of permutations, one pass a run). Over the whole
             # run every rank draws every sample; over its first share of the dataset a
             # sharded stream is disjoint, as an epoch of DistributedSampler is.
-            rec.share = max(1, domain // _world_size())
+            rec.share = max(1, domain // runinfo.topology()["world_size"])
         fields: dict[str, Any] = {
             "loader": rec.loader,
             "pass_id": rec.pass_id,
@@ -743,11 +744,6 @@ class SamplerProbe:
             for rec in self._open.values():
                 rec.token = None
         _log.warning("sampler probe disabled after an internal error: %r", exc, exc_info=exc)
-
-
-def _world_size() -> int:
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _tagged(it: Any, rec: _Pass | None) -> Any:

@@ -104,12 +104,19 @@ def log_z(ratios: Iterable[float]) -> float:
 
 def onset_of(win: Window, persist: float) -> int:
     """First step of the longest recent stretch in which the rank was mostly slow."""
-    onset = win.samples[-1].step
-    slow = 0
-    for i, s in enumerate(reversed(win.samples), 1):
-        slow += s.slow
-        if s.slow and slow >= persist * i:
-            onset = s.step
+    return _onset(((s.step, s.slow) for s in reversed(win.samples)), persist)
+
+
+def _onset(newest_first: Iterable[tuple[int, bool]], persist: float) -> int:
+    """The oldest slow step from which, counting back from the newest (the default),
+    at least ``persist`` of the steps were slow."""
+    onset, slow = -1, 0
+    for i, (step, is_slow) in enumerate(newest_first, 1):
+        if i == 1:
+            onset = step
+        slow += is_slow
+        if is_slow and slow >= persist * i:
+            onset = step
     return onset
 
 
@@ -166,10 +173,5 @@ class LongView:
 
     def onset(self, persist: float) -> int:
         """First step of the longest recent stretch in which the rank was mostly slow."""
-        marks = self.steps[self.head :]
-        onset, slow = (marks[-1] if marks[-1] >= 0 else ~marks[-1]), 0
-        for i, mark in enumerate(reversed(marks), 1):
-            slow += mark >= 0
-            if mark >= 0 and slow >= persist * i:
-                onset = mark
-        return onset
+        marks = reversed(self.steps[self.head :])
+        return _onset(((m if m >= 0 else ~m, m >= 0) for m in marks), persist)
