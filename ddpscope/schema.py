@@ -261,6 +261,9 @@ class Step(Message):
     #: a batch from (with gradients on): the pass the step trained on. False: of the pass
     #: whose sampler last yielded (no draw seen on that thread, or an older rank).
     drawn: bool = False
+    #: DataLoader workers of an IterableDataset pass the step drew from that were seen
+    #: yielding the same batches, each the whole stream (0: none seen).
+    worker_copies: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

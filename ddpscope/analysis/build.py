@@ -38,6 +38,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
     from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
     from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
+    from ddpscope.analysis.detectors.sampling.worker_copies import WorkerCopiesDetector
     from ddpscope.analysis.detectors.straggler import StragglerDetector
     from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 
@@ -50,6 +51,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         SetEpochDetector(mode, ledgers),
         ShardingDetector(mode, ledgers),
         SameBatchesDetector(mode, ledgers),
+        WorkerCopiesDetector(mode, ledgers),
         UnevenInputsDetector(mode, ledgers),
         PaddedEvaluationDetector(mode, ledgers),
         HangDetector(mode),

@@ -27,6 +27,16 @@ One Python frame and two clock reads per batch (~0.7 us on the 2-core VM).
 The first batches of each pass also leave a digest of what they hold
 (hooks/batchdigest.py) for the step that draws them: ranks reading one
 unsplit stream show the same digests (``unsharded_data``).
+
+A pass over an ``IterableDataset`` with DataLoader workers is also checked
+for copies: each worker runs its own copy of the dataset's ``__iter__``, and
+one that does not split its items by ``get_worker_info()`` yields the whole
+stream in every worker. The loader takes batches from its workers in turn, so
+batch ``j`` is worker ``j % k``'s ``j // k``-th: copies show as the first
+round of ``k`` batches all equal and the second all equal and different
+(``worker_copies``, analysis/detectors/sampling/worker_copies.py). At most
+:data:`MAX_COMPARED` workers' batches of the first two rounds are digested: a
+few hundred microseconds once a pass.
 """
 
 from __future__ import annotations
@@ -41,6 +51,15 @@ import torch
 from torch.utils.data import dataloader as _torch_dataloader
 
 from ddpscope.hooks.batchdigest import DIGEST_BATCHES, content_digest
+
+#: Batches at the head of each pass that are looked at more closely (digests, worker
+#: copies); past them a draw costs one comparison more.
+HEAD_LIMIT = 64
+#: Workers whose batches of the first two rounds are compared, at most.
+MAX_COMPARED = 8
+#: The attribute under which a pass's iterator keeps the digests compared so far.
+HEADS_ATTR = "_ddpscope_heads"
+_ITERABLE = getattr(getattr(_torch_dataloader, "_DatasetKind", None), "Iterable", 1)
 
 _get_ident = threading.get_ident
 _monotonic_ns = time.monotonic_ns
@@ -61,6 +80,9 @@ calls = 0
 #: Digest of the latest of a pass's first batches drawn on the training thread; the
 #: step tracker takes it (and sets 0) when the step closes. 0: none since.
 batch_digest = 0
+#: Workers of a pass that were seen yielding the same batches (0: none seen since the
+#: step tracker last took it, which it does at each step's close, setting 0).
+worker_copies = 0
 #: The attribute under which the sampler probe (hooks/samplers.py) leaves each iterator
 #: the pass it is drawing (set at every ``iter()``: persistent workers reuse iterators).
 PASS_ATTR = "_ddpscope_pass"
@@ -95,12 +117,46 @@ def _next(it: Any) -> Any:
             st.since_ns = t1
     drawn = getattr(it, PASS_ATTR, None)
     # torch counts the batches of the current pass (reset by each iter()).
-    if getattr(it, "_num_yielded", DIGEST_BATCHES + 1) <= DIGEST_BATCHES:
-        try:
-            batch_digest = content_digest(batch)
-        except Exception:  # a digest must never break the training loop
-            batch_digest = 0
+    n = getattr(it, "_num_yielded", HEAD_LIMIT + 1)
+    if n <= HEAD_LIMIT:
+        _head(it, n, batch)
     return batch
+
+
+def _digest(batch: Any) -> int:
+    try:
+        return content_digest(batch)
+    except Exception:  # a digest must never break the training loop
+        return 0
+
+
+def _head(it: Any, n: int, batch: Any) -> None:
+    """The ``n``-th batch of a pass (from 1): its digest, and the worker-copies check."""
+    global batch_digest, worker_copies
+    digest = -1
+    if n <= DIGEST_BATCHES:
+        digest = batch_digest = _digest(batch)
+    k = getattr(it, "_num_workers", 0)
+    if k < 2 or getattr(it, "_dataset_kind", None) != _ITERABLE:
+        return
+    m = min(k, MAX_COMPARED)
+    j = n - 1
+    if j >= k + m or j % k >= m:
+        return  # not among the first m workers' batches of the first two rounds
+    if j == 0:
+        heads: list[int] | None = []
+        setattr(it, HEADS_ATTR, heads)
+    else:
+        heads = getattr(it, HEADS_ATTR, None)
+    if heads is None:
+        return
+    heads.append(_digest(batch) if digest < 0 else digest)
+    if len(heads) < 2 * m:
+        return
+    setattr(it, HEADS_ATTR, None)
+    first, second = set(heads[:m]), set(heads[m:])
+    if len(first) == len(second) == 1 and first != second and 0 not in first | second:
+        worker_copies = m
 
 
 def install(state: Any = None) -> None:
@@ -121,13 +177,23 @@ def install(state: Any = None) -> None:
 
 def uninstall() -> None:
     """Restore torch's own ``__next__`` unless someone patched on top of ours."""
-    global _orig_next, _patched_next, _owner, _state, drawn
+    global _orig_next, _patched_next, _owner, _state, drawn, worker_copies
     _owner = 0
     _state = None
     drawn = None
+    worker_copies = 0
     if _iter_class is not None and _iter_class.__dict__.get("__next__") is _patched_next:
         _iter_class.__next__ = _orig_next  # type: ignore[attr-defined]
         _orig_next = _patched_next = None
 
 
-__all__ = ["PASS_ATTR", "batch_digest", "calls", "drawn", "install", "uninstall", "waited_ns"]
+__all__ = [
+    "PASS_ATTR",
+    "batch_digest",
+    "calls",
+    "drawn",
+    "install",
+    "uninstall",
+    "waited_ns",
+    "worker_copies",
+]

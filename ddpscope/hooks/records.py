@@ -58,6 +58,9 @@ class StepRecord(NamedTuple):
     #: ``loader_pass`` names the pass the training thread last drew a batch from
     #: (hooks/loaderwait.py), not only the one whose sampler last yielded.
     drawn: bool
+    #: Workers of a DataLoader pass the step drew from that yielded the same batches
+    #: (hooks/loaderwait.py: each ran the whole stream); 0 when none were seen.
+    worker_copies: int
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

@@ -876,10 +876,11 @@ class StepTracker:
                 self._fwd == 0 and self._bwd > 0,
                 loaderwait.batch_digest,
                 drawn is not None,
+                loaderwait.worker_copies,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
-        loaderwait.batch_digest = 0
+        loaderwait.batch_digest = loaderwait.worker_copies = 0
         cpu = self._cpu
         pub, lane = self.pub, self._lane
         if pub.alive:  # Publisher.post, spelled out
@@ -1088,6 +1089,8 @@ class StepTracker:
             fields["batch_digest"] = rec.batch_digest
         if rec.drawn:
             fields["drawn"] = True
+        if rec.worker_copies:
+            fields["worker_copies"] = rec.worker_copies
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

@@ -24,6 +24,7 @@ BADGES = {
     "forward_bypasses_ddp": "bypass DDP",
     "gradients_reduced_twice": "grads x2",
     "padded_evaluation": "eval pad",
+    "worker_duplicates": "worker dup",
 }
 #: The status column's width, in the ranks and the hosts views.
 BADGE_W = 10

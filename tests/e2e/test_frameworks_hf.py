@@ -34,6 +34,8 @@ from tests.support.torchrun import job_env, torchrun
 
 pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 
+WORKERS = "worker_duplicates"
+
 
 def test_hf_trainer_healthy_job_raises_nothing_despite_batch_level_sharding(
     tmp_path: Path, endpoint: str
@@ -151,6 +153,42 @@ def test_accelerate_iterable_dataset_raises_nothing(
     steps = steps_of(rec)
     # 512 streamed samples, 16 per rank and step, 2 ranks, 3 epochs.
     assert sorted(steps) == [0, 1] and all(len(ss) == 48 for ss in steps.values())
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--workers", "2", "--worker-split"], ["--no-dispatch", "--workers", "2", "--worker-split"]],
+    ids=["dispatched", "iterable-shard"],
+)
+def test_a_stream_split_by_worker_raises_nothing(
+    tmp_path: Path, endpoint: str, flags: list[str]
+) -> None:
+    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--iterable", *flags)
+    found = [f for f in serious(report(rec)) if f["kind"] in (*SAMPLING_KINDS, WORKERS)]
+    assert found == [], brief(found)
+    assert sorted(steps_of(rec)) == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("flags", "ranks", "steps"),
+    [([], [0], 96), (["--no-dispatch"], [0, 1], 96)],
+    ids=["dispatched", "iterable-shard"],
+)
+def test_workers_that_each_read_the_whole_stream_are_named(
+    tmp_path: Path, endpoint: str, flags: list[str], ranks: list[int], steps: int
+) -> None:
+    """Two DataLoader workers, a stream that does not split by worker: each yields it
+    all, so every epoch holds each sample twice. Dispatched, rank 0 alone iterates the
+    loader (and its workers); under IterableDatasetShard every rank does."""
+    rec = record(
+        tmp_path, endpoint, HF, "--api", "accelerate", "--iterable", "--workers", "2", *flags
+    )
+    # Twice the steps of test_accelerate_iterable_dataset_raises_nothing's 48.
+    assert all(len(ss) == steps for ss in steps_of(rec).values())
+    found = [f for f in serious(report(rec)) if f["kind"] in (*SAMPLING_KINDS, WORKERS)]
+    assert [(f["kind"], f["ranks"]) for f in found] == [(WORKERS, ranks)], brief(found)
+    assert found[0]["evidence"]["workers_alike"] == 2
+    assert found[0]["evidence"]["passes_seen"] == 3 * len(ranks)
 
 
 def test_every_rank_reading_the_same_iterable_stream_is_named_from_its_batches(

@@ -10,7 +10,9 @@ scatter slices of each batch (``DataLoaderConfiguration(dispatch_batches=True)``
 ``--iterable`` trains from an ``IterableDataset`` (accelerate dispatches those by
 default; with ``--no-dispatch`` each rank keeps its own batches of the stream,
 ``IterableDatasetShard``). ``--iterable --same-batches`` is the iterable mistake:
-the loader is not prepared, so every rank reads the whole stream.
+the loader is not prepared, so every rank reads the whole stream; ``--iterable
+--workers 2`` the worker one: each DataLoader worker yields the whole stream
+(``--worker-split``: each keeps its own part).
 ``--uneven-batches`` is ``even_batches=False`` on a dataset whose batches do not
 split evenly: one rank trains a batch the others never run, and the job hangs
 until the 15 s collective timeout.
@@ -48,13 +50,22 @@ class Tokens(Dataset):
 
 
 class TokenStream(IterableDataset):
-    """The same samples as :class:`Tokens`, read as a stream (no indices, no sampler)."""
+    """The same samples as :class:`Tokens`, read as a stream (no indices, no sampler).
 
-    def __init__(self, n: int) -> None:
+    ``by_worker``: each DataLoader worker keeps its own part (every
+    ``num_workers``-th sample); else every worker yields the whole stream.
+    """
+
+    def __init__(self, n: int, by_worker: bool = False) -> None:
         self.data = Tokens(n)
+        self.by_worker = by_worker
 
     def __iter__(self) -> Any:
-        for i in range(len(self.data)):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info() if self.by_worker else None
+        start, every = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, len(self.data), every):
             yield self.data[i]
 
 
@@ -162,7 +173,12 @@ def accelerate_loop(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     collate = SlowCollate(args.slow_rank, args.slow_ms)
     if args.iterable:
-        loader = DataLoader(TokenStream(args.samples), batch_size=args.batch, collate_fn=collate)
+        loader = DataLoader(
+            TokenStream(args.samples, by_worker=args.worker_split),
+            batch_size=args.batch,
+            collate_fn=collate,
+            num_workers=args.workers,
+        )
     else:
         loader = DataLoader(
             Tokens(args.samples), batch_size=args.batch, shuffle=True, collate_fn=collate
@@ -205,6 +221,8 @@ def main() -> None:
     p.add_argument("--dispatch", action="store_true", help="accelerate: rank 0 scatters")
     p.add_argument("--no-dispatch", action="store_true", help="accelerate: never dispatch")
     p.add_argument("--iterable", action="store_true", help="accelerate: an IterableDataset")
+    p.add_argument("--workers", type=int, default=0, help="accelerate --iterable: workers")
+    p.add_argument("--worker-split", action="store_true", help="the stream splits by worker")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--sync-each-batch", action="store_true", help="accelerate: sync each one")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
