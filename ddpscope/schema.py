@@ -264,6 +264,12 @@ class Step(Message):
     #: DataLoader workers of an IterableDataset pass the step drew from that were seen
     #: yielding the same batches, each the whole stream (0: none seen).
     worker_copies: int = 0
+    #: Only for a model DDP searches for unused parameters every step
+    #: (``find_unused_parameters=True``, no static graph): host ns in DDP's
+    #: post-forward over the step's forwards, and how many parameters some rank
+    #: left unused in the step's synced backward (-1: not known, as under no_sync).
+    search_ns: int = -1
+    unused_params: int = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

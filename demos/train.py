@@ -83,6 +83,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "(one call per parameter, one flat buffer, or buffers of about a third each)",
     )
     p.add_argument("--autocast", action="store_true", help="forward under CPU autocast (bf16)")
+    p.add_argument(
+        "--find-unused",
+        action="store_true",
+        help="DDP(find_unused_parameters=True), though every parameter is used every step",
+    )
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
     p.add_argument(
         "--join-divide-active",
@@ -266,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
             device_ids=[device] if device is not None else None,
             bucket_cap_mb=args.bucket_mb,
             gradient_as_bucket_view=args.bucket_view,
+            find_unused_parameters=args.find_unused,
         )
     if args.comm_hook == "fp16-before":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -32,6 +32,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
     from ddpscope.analysis.detectors.recipe.manual_allreduce import ManualAllReduceDetector
     from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
+    from ddpscope.analysis.detectors.recipe.unused_search import UnusedSearchDetector
     from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
     from ddpscope.analysis.detectors.sampling.same_batches import SameBatchesDetector
@@ -68,6 +69,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         AccumulationDetector(mode),
         BypassDetector(mode),
         ManualAllReduceDetector(mode),
+        UnusedSearchDetector(mode),
     ]
 
 

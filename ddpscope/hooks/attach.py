@@ -46,6 +46,7 @@ from ddpscope.hooks.modulehook import _inert  # noqa: F401
 from ddpscope.hooks.process import RankProcess
 from ddpscope.hooks.standins import InertHandle, PendingHandle
 from ddpscope.hooks.steps import StepTracker
+from ddpscope.hooks.unusedsearch import UnusedSearch
 from ddpscope.schema import BucketLayout, Fingerprint, HParams, RunInfo
 
 log = logging.getLogger("ddpscope")
@@ -110,6 +111,7 @@ class Handle:
         self._forward = forward.ForwardTiming(tgt.entry, self.tracker, watch, model)
         self.tracker.on_error = self.failed
         self.tracker.use_marker()
+        self.tracker.search = proc.recipe.guard(UnusedSearch.of, model)
         backward_calls.install(self.tracker)
         # Global: every optimizer step of the process; the tracker keeps to its own.
         self._opt_hooks = [
@@ -343,6 +345,8 @@ class Handle:
         for hook in self._opt_hooks:
             hook.remove()
         self.tracker.drop_marker()
+        if self.tracker.search is not None:
+            self.tracker.search.close()
         backward_calls.remove(self.tracker)
         self.tracker.enabled = False
 

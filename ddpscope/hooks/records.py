@@ -61,6 +61,11 @@ class StepRecord(NamedTuple):
     #: Workers of a DataLoader pass the step drew from that yielded the same batches
     #: (hooks/loaderwait.py: each ran the whole stream); 0 when none were seen.
     worker_copies: int
+    #: Host ns in DDP's post-forward (its search for unused parameters) over the
+    #: step's forwards, and the parameters some rank left unused in its synced
+    #: backward (hooks/unusedsearch.py); -1 where DDP does not search / not known.
+    search_ns: int
+    unused_params: int
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

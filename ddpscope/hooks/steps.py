@@ -66,6 +66,7 @@ from ddpscope.hooks import comm, loaderwait
 from ddpscope.hooks.clocks import Clock
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.records import Collective, Interval, StepRecord
+from ddpscope.hooks.unusedsearch import UnusedSearch
 from ddpscope.schema import MAX_STEP_COLLECTIVES, BucketLayout, Step
 
 log = logging.getLogger("ddpscope")
@@ -188,6 +189,9 @@ class StepTracker:
         #: Called (once) when the step cutting needs the comm hook: outputs
         #: with no tensor to mark backward's start from.
         self.request_hook: Callable[[], None] | None = None
+        #: DDP's per-step search for unused parameters, where it runs one
+        #: (hooks/unusedsearch.py): its cost and what it found, taken at each close.
+        self.search: UnusedSearch | None = None
         self._reducer_params: list[Any] | None = None
         #: Set (benchmarks, tests) to hold the interval instead of adapting it.
         self.fixed_every: int | None = None
@@ -846,6 +850,8 @@ class StepTracker:
         drawn = loaderwait.drawn
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
+        search = self.search
+        search_ns, unused = search.take(self._synced) if search is not None else (-1, -1)
         # tuple.__new__: the record's fields without NamedTuple's Python __new__
         # (175 ns against 710 ns, timeit).
         record = _new_record(
@@ -877,6 +883,8 @@ class StepTracker:
                 loaderwait.batch_digest,
                 drawn is not None,
                 loaderwait.worker_copies,
+                search_ns,
+                unused,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
@@ -1091,6 +1099,9 @@ class StepTracker:
             fields["drawn"] = True
         if rec.worker_copies:
             fields["worker_copies"] = rec.worker_copies
+        if rec.search_ns >= 0:
+            fields["search_ns"] = rec.search_ns
+            fields["unused_params"] = rec.unused_params
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

@@ -79,6 +79,8 @@ def test_a_healthy_job_of_this_shape_raises_nothing(
     # A GAN's discriminator has bare synced backwards by design (the generator's): not
     # accumulation, even as info.
     assert of_kind(doc, "accumulate_without_no_sync") == []
+    # find_unused_parameters=True where a head sits out every other step: needed.
+    assert of_kind(doc, "unused_parameter_search") == []
     steps = steps_of(rec)
     # A GAN's discriminator all-reduces in both backwards of an iteration (its own
     # loss's, and the generator's, which flows through it) and is stepped after one:

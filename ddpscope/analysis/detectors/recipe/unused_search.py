@@ -1,0 +1,156 @@
+"""Recipe check: ``unused_parameter_search`` (info).
+
+``find_unused_parameters=True`` makes DDP walk the autograd graph after every
+forward to find parameters the loss will not reach, and keeps it from
+rebuilding its buckets in the order gradients arrive. That is needed when some
+steps leave parameters out (a head used every other step, a branch chosen by
+the data) and costs host time for nothing when every step uses them all. The
+PyTorch documentation says so, DDP warns once in the log after one step, and
+the Hugging Face Trainer turns the flag on by default for every model it does
+not checkpoint.
+
+Each step of such a model says what DDP's post-forward took and how many
+parameters some rank left unused in its synced backward (``Step.search_ns``,
+``Step.unused_params``: hooks/unusedsearch.py reads DDP's all-reduced used
+map). Named once :data:`MIN_STEPS` steps were known on some rank with no
+parameter left unused anywhere, with the post-forward's median time and its
+share of the median step as measured (1-2.5% on this VM's CPU jobs: an MLP,
+a 2-layer BERT under the Trainer). Not gated on that share: it sits near any
+threshold one would pick and moves with load between runs, where whether a
+parameter went unused does not. One step with a parameter left unused
+settles it the other way: the search is needed, and a finding already shown
+is withdrawn (inactive, and said so).
+A static graph runs the search once, not every step: those models send
+nothing.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from ddpscope.analysis.findings import Finding, FindingBook
+from ddpscope.analysis.protocol import LIVE, Mode
+from ddpscope.analysis.state import RunState
+from ddpscope.analysis.wording import ranks_phrase
+from ddpscope.schema import Message, Step
+
+KIND = "unused_parameter_search"
+#: Synced steps with a known used map, on one rank, before the search is judged
+#: unneeded: a parameter left out now and then has had its chances.
+MIN_STEPS = 200
+#: Recent (post-forward ns, step ns) pairs kept per model for the medians.
+KEEP = 1024
+FIX = (
+    "Build DDP with find_unused_parameters=False (the default): Hugging Face Trainer "
+    "TrainingArguments(ddp_find_unused_parameters=False), Lightning strategy='ddp', "
+    "accelerate DistributedDataParallelKwargs(find_unused_parameters=False). If some "
+    "parameters never get a gradient (a frozen or unused head) but the same ones every "
+    "step, static_graph=True searches once instead of every step."
+)
+
+
+@dataclass
+class _Model:
+    #: rank -> synced steps with a known used map.
+    known: dict[int, int] = field(default_factory=dict)
+    #: (step, rank, parameters) of the first step that left some unused; None: none yet.
+    unused_at: tuple[int, int, int] | None = None
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=KEEP))
+    ranks: set[int] = field(default_factory=set)
+    first_step: int = -1
+
+
+class UnusedSearchDetector:
+    """``unused_parameter_search``: DDP searching every step for parameters it never misses."""
+
+    kinds: tuple[str, ...] = (KIND,)
+    #: The messages observe() looks at (the engine calls it for no others).
+    observes: tuple[type, ...] = (Step,)
+
+    def __init__(self, mode: Mode = LIVE) -> None:
+        self.mode = mode
+        self._runs: dict[str, dict[int, _Model]] = {}
+
+    def reset(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def tick(self, run: RunState, book: FindingBook) -> None:
+        """Judged per step."""
+
+    def finish(self, run: RunState, book: FindingBook) -> None:
+        """The run's last word: each model judged on all its steps."""
+        for model, m in self._runs.get(run.run_id, {}).items():
+            if m.unused_at is None and m.known and max(m.known.values()) >= MIN_STEPS:
+                self._judge(model, m, book)
+
+    def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
+        if not isinstance(msg, Step) or msg.search_ns < 0:
+            return
+        m = self._runs.setdefault(run.run_id, {}).setdefault(msg.model, _Model())
+        m.ranks.add(msg.rank)
+        m.recent.append((msg.search_ns, msg.t_end - msg.t_start))
+        if msg.unused_params > 0 and m.unused_at is None:
+            m.unused_at = (msg.step, msg.rank, msg.unused_params)
+            self._withdraw(msg.model, m, book)
+            return
+        if msg.unused_params < 0 or m.unused_at is not None:
+            return
+        n = m.known[msg.rank] = m.known.get(msg.rank, 0) + 1
+        if m.first_step < 0:
+            m.first_step = msg.step
+        if n % MIN_STEPS == 0:
+            self._judge(msg.model, m, book)
+
+    @staticmethod
+    def _key(model: int) -> str:
+        return f"model:{model}"
+
+    def _judge(self, model: int, m: _Model, book: FindingBook) -> None:
+        search = statistics.median(s for s, _ in m.recent)
+        step = statistics.median(d for _, d in m.recent)
+        if step <= 0:
+            return
+        steps = max(m.known.values())
+        ranks = sorted(m.ranks)
+        which = f"model {model}" if model else "The DDP model"
+        message = (
+            f"{which} is built with find_unused_parameters=True, yet no parameter went "
+            f"unused on any rank in {steps} steps: after every forward DDP walks the autograd "
+            f"graph for parameters the loss will not reach. Its post-forward took "
+            f"{search / 1e6:.2f} ms a step on {ranks_phrase(ranks)} ({search / step:.1%} of "
+            "the median step), and DDP keeps its buckets in parameter order instead of the "
+            "order gradients arrive."
+        )
+        book.raise_or_update(
+            self._key(model),
+            Finding(
+                kind=KIND,
+                severity="info",
+                ranks=ranks,
+                step=m.first_step,
+                message=message,
+                fix=FIX,
+                evidence={
+                    "model": model,
+                    "steps_without_unused": steps,
+                    "post_forward_ms": round(search / 1e6, 3),
+                    "step_ms": round(step / 1e6, 3),
+                    "share": round(search / step, 4),
+                },
+            ),
+        )
+
+    def _withdraw(self, model: int, m: _Model, book: FindingBook) -> None:
+        f = book.get(KIND, self._key(model))
+        if f is None or m.unused_at is None:
+            return
+        step, rank, count = m.unused_at
+        f.message += (
+            f" Withdrawn: at step {step} rank {rank} left {count} parameter"
+            f"{'' if count == 1 else 's'} unused, so the search is needed."
+        )
+        f.evidence = {**f.evidence, "unused_at_step": step, "unused_params": count}
+        book.changed(f)
+        book.resolve(KIND, self._key(model))

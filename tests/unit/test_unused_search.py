@@ -1,0 +1,131 @@
+"""``find_unused_parameters``: what DDP's search costs a step and what it found
+(hooks/unusedsearch.py, a real DDP in a world of one), and the
+``unused_parameter_search`` rule over synthetic ranks' steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpscope
+from ddpscope.analysis.detectors.recipe.unused_search import (
+    KIND,
+    MIN_STEPS,
+    UnusedSearchDetector,
+)
+from ddpscope.analysis.engine import Analysis
+from ddpscope.analysis.findings import Finding
+from ddpscope.record import open_run
+from ddpscope.schema import Step
+from tests.support.synth import feed, findings, run_infos, step_at
+
+RUN = "r"
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, aux: bool) -> torch.Tensor:
+        h = self.body(x)
+        return self.head(h) + self.aux(h) if aux else self.head(h)
+
+
+def train(tmp: Path, model: DDP, plan: list[tuple[bool, bool]]) -> list[Step]:
+    """One step per (aux used, synced) entry; the steps the rank recorded."""
+    handle = ddpscope.attach(model, record=str(tmp / "rec"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for aux, synced in plan:
+        with contextlib.nullcontext() if synced else model.no_sync():
+            model(torch.randn(4, 8), aux).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    handle.close()
+    assert "_post_forward" not in vars(model)  # DDP's own method back
+    msgs = open_run(str(tmp / "rec")).messages[0]
+    return [m for m in msgs if isinstance(m, Step)]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_each_step_says_what_the_search_took_and_how_many_parameters_went_unused(
+    fresh_rank: Path,
+) -> None:
+    model = DDP(TwoHeads(), find_unused_parameters=True)
+    plan = [(True, True), (False, True), (True, True), (False, False), (True, True)]
+    steps = train(fresh_rank, model, plan)
+    assert len(steps) == len(plan)
+    assert all(s.search_ns > 0 for s in steps)
+    # aux's weight and bias sit out the steps without it; under no_sync DDP reduces
+    # no used map: not known.
+    assert [s.unused_params for s in steps] == [0, 2, 0, -1, 0]
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize(
+    "options", [{}, {"find_unused_parameters": True, "static_graph": True}], ids=["off", "static"]
+)
+def test_a_model_ddp_does_not_search_every_step_sends_nothing(
+    fresh_rank: Path, options: dict[str, bool]
+) -> None:
+    steps = train(fresh_rank, DDP(TwoHeads(), **options), [(True, True)] * 3)
+    assert [(s.search_ns, s.unused_params) for s in steps] == [(-1, -1)] * 3
+
+
+# --- the rule, over synthetic ranks ---------------------------------------------------------
+
+
+def judged(per_rank: dict[int, list[tuple[int, int]]], world: int = 2) -> list[Finding]:
+    """Each rank's steps as (unused params, search ns); 10 ms steps."""
+    msgs: list[object] = list(run_infos(world, run=RUN))
+    n = max(len(v) for v in per_rank.values())
+    for s in range(n):
+        for r, seq in per_rank.items():
+            if s < len(seq):
+                base = step_at(r, s, (s + 1) * 10_000_000, dur=10_000_000, run=RUN)
+                unused, ns = seq[s]
+                msgs.append(dataclasses.replace(base, unused_params=unused, search_ns=ns))
+    analysis = feed(Analysis([UnusedSearchDetector()]), msgs)
+    analysis.finish()
+    return findings(analysis, KIND)
+
+
+def test_a_search_that_never_finds_a_parameter_is_info_with_its_cost() -> None:
+    (f,) = judged({0: [(0, 150_000)] * 300, 1: [(0, 250_000)] * 300})
+    assert f.severity == "info" and f.ranks == [0, 1] and f.active
+    assert f.evidence["steps_without_unused"] == 300
+    assert f.evidence["post_forward_ms"] == 0.2 and f.evidence["step_ms"] == 10.0
+    assert f.evidence["share"] == 0.02
+    assert "no parameter went unused on any rank in 300 steps" in f.message
+    assert "0.20 ms a step on ranks 0, 1 (2.0% of the median step)" in f.message
+
+
+def test_not_judged_before_enough_steps() -> None:
+    assert judged({0: [(0, 100_000)] * (MIN_STEPS - 1)}) == []
+    assert len(judged({0: [(0, 100_000)] * MIN_STEPS})) == 1
+
+
+def test_a_parameter_left_unused_at_any_step_means_the_search_is_needed() -> None:
+    seq = [(0, 100_000)] * 150 + [(3, 100_000)] + [(0, 100_000)] * 400
+    assert judged({0: seq, 1: [(0, 100_000)] * 551}) == []
+
+
+def test_a_finding_shown_before_a_parameter_went_unused_is_withdrawn() -> None:
+    seq = [(0, 100_000)] * MIN_STEPS + [(1, 100_000)] + [(0, 100_000)] * 50
+    (f,) = judged({0: seq})
+    assert not f.active and f.evidence["unused_at_step"] == MIN_STEPS
+    assert f.message.endswith(
+        f"Withdrawn: at step {MIN_STEPS} rank 0 left 1 parameter unused, so the search is needed."
+    )
+
+
+def test_steps_whose_map_is_not_known_are_not_counted() -> None:
+    # Accumulation under no_sync: every other step reduces no map.
+    assert judged({0: [(-1, 100_000), (0, 100_000)] * (MIN_STEPS // 2 + 10)}) == []
