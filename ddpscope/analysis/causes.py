@@ -21,7 +21,9 @@ The rules:
   or a ``hang`` where the short ranks wait in a collective after their loop
   while the others wait in their next training step (the buffer broadcast or
   the gradient all-reduce), and the ``rank_exit`` of ranks that then raised
-  (the collective timeout).
+  (the collective timeout); and a ``hyperparam_mismatch`` whose ranks split
+  exactly as their batches (or samples) per epoch do: a learning-rate
+  schedule sized from ``len(loader)`` runs at another pace on each.
 - ``rank_exit`` of a rank that raised or was killed explains a
   ``rank0_only_collective`` of ranks blocked in a collective whose missing
   partners had all stopped so already when it was raised: they wait for a
@@ -107,6 +109,7 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
                 fix=fix,
             )
         _ran_out_mismatch(book, u, short, cause, loader, fix, out)
+        _paced_by_loader(book, u, cause, loader, fix, out)
         r = book.get("rank_exit", "run")
         if r is None or not u.evidence.get("confirmed") or not r.ranks:
             continue
@@ -140,6 +143,48 @@ def uneven_inputs_rule(run: RunState, book: FindingBook) -> dict[Key, Want]:
                 ),
             )
     return out
+
+
+def _paced_by_loader(
+    book: FindingBook, u: Finding, cause: Key, loader: object, fix: str, out: dict[Key, Want]
+) -> None:
+    """A schedule sized from ``len(loader)`` (total steps, warm-up, cosine length) runs at
+    another pace on ranks with other loader lengths: a ``hyperparam_mismatch`` whose ranks
+    split exactly as their batches (or samples) per epoch do is that, not a rank's own
+    setting."""
+    per_rank = u.evidence.get("batches_per_epoch") or u.evidence.get("samples_per_epoch")
+    if not isinstance(per_rank, dict) or len(set(per_rank.values())) < 2:
+        return
+    length = {int(q): n for q, n in per_rank.items() if str(q).isdigit()}
+    for h in book.of_kind("hyperparam_mismatch"):
+        groups = h.evidence.get("values")
+        if (h.kind, h.key) in out or not isinstance(groups, list) or len(groups) < 2:
+            continue
+        seen: dict[object, int] = {}
+        ok = True
+        for i, g in enumerate(groups):
+            ranks = g.get("ranks") if isinstance(g, dict) else None
+            if not isinstance(ranks, list) or not ranks or g.get("count") != len(ranks):
+                ok = False  # a group listed in part (a large world): not judged
+                break
+            lengths = {length.get(q) for q in ranks}
+            if len(lengths) != 1 or None in lengths or seen.setdefault(lengths.pop(), i) != i:
+                ok = False
+                break
+        if not ok:
+            continue
+        what = "batches" if u.evidence.get("batches_per_epoch") else "samples"
+        sizes = "; ".join(
+            f"{n} on {ranks_phrase(sorted(q for q, m in length.items() if m == n))}"
+            for n in sorted(set(length.values()))
+        )
+        out[(h.kind, h.key)] = Want(
+            cause,
+            f"Caused by uneven_inputs (loader {loader}): {h.key} differs across ranks just as "
+            f"their {what} per epoch do ({sizes}): a schedule sized from len(loader) (its total "
+            "steps, its warm-up) runs at another pace on each.",
+            fix=fix,
+        )
 
 
 def _raised_on_running_out(u: Finding, r: Finding, short: set[int]) -> bool:

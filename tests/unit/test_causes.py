@@ -454,3 +454,40 @@ def test_a_desync_of_other_ranks_another_model_or_earlier_stands_on_its_own() ->
     book2.raise_or_update("lr", finding("hyperparam_mismatch", ranks=[3], step=20))
     book2.raise_or_update("params", _desync([3], step=16))  # apart before the lr differed
     assert linked(book2) == {}
+
+
+def _lr_mismatch(groups: list[list[int]], count_extra: int = 0) -> Finding:
+    values = [
+        {"value": 0.001 * (i + 1), "ranks": g, "count": len(g) + (count_extra if i == 0 else 0)}
+        for i, g in enumerate(groups)
+    ]
+    return finding("hyperparam_mismatch", ranks=groups[-1], evidence={"values": values})
+
+
+def test_an_lr_that_differs_exactly_as_the_loader_lengths_do_is_the_uneven_inputs() -> None:
+    # A cosine schedule sized from len(loader): 24 batches on rank 0, 27 on ranks 1, 2.
+    book = FindingBook()
+    ev = {"loader": 0, "confirmed": True, "batches_per_epoch": {"0": 24, "1": 27, "2": 27}}
+    book.raise_or_update("loader0", finding("uneven_inputs", ranks=[0], evidence=ev))
+    book.raise_or_update("lr", _lr_mismatch([[1, 2], [0]]))
+    assert linked(book) == {("hyperparam_mismatch", "lr"): ("uneven_inputs", "loader0")}
+    h = book.get("hyperparam_mismatch", "lr")
+    assert h is not None and h.severity == "info"
+    assert (
+        "Caused by uneven_inputs (loader 0): lr differs across ranks just as their batches per "
+        "epoch do (24 on rank 0; 27 on ranks 1, 2)"
+    ) in h.message
+
+
+def test_an_lr_that_splits_the_ranks_otherwise_stands_on_its_own() -> None:
+    ev = {"loader": 0, "batches_per_epoch": {"0": 24, "1": 27, "2": 27, "3": 27}}
+    for groups in ([[0, 1, 2], [3]], [[1, 2], [0, 3]], [[0], [1], [2, 3]]):
+        book = FindingBook()
+        book.raise_or_update("loader0", finding("uneven_inputs", ranks=[0], evidence=ev))
+        book.raise_or_update("lr", _lr_mismatch(groups))
+        assert linked(book) == {}, groups
+    # A group listed only in part (a large world) is not judged.
+    book = FindingBook()
+    book.raise_or_update("loader0", finding("uneven_inputs", ranks=[0], evidence=ev))
+    book.raise_or_update("lr", _lr_mismatch([[1, 2, 3], [0]], count_extra=5))
+    assert linked(book) == {}
