@@ -276,3 +276,17 @@ def test_accelerate_uneven_batches_are_named_as_the_cause_of_what_follows(
     assert {f["kind"] for f in caused} & {"hang", "rank_exit"}, brief(doc["findings"])
     assert all(f["cause"]["kind"] == "uneven_inputs" for f in caused)
     assert [f["kind"] for f in serious(doc)] == ["uneven_inputs"], brief(doc["findings"])
+
+
+def test_a_slow_loader_under_dispatch_is_named_as_the_rank_reading_for_all(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # dispatch_batches: rank 0 collates every rank's batches (30 ms each) and the others
+    # wait in accelerate's broadcast of them.
+    flags = ["--api", "accelerate", "--dispatch", "--slow-rank", "0", "--slow-ms", str(SLOW_MS)]
+    rec = record(tmp_path, endpoint, HF, *flags)
+    (f,) = of_kind(report(rec), "straggler")
+    assert f["ranks"] == [0] and f["evidence"]["grown_phases"][0] == "data"
+    assert f["evidence"]["dispatches_batches"] is True
+    assert "broadcast" in f["evidence"]["others_wait_where"]
+    assert f["fix"].startswith("Rank 0 reads every rank's batches: under accelerate's")

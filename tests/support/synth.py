@@ -300,6 +300,10 @@ def step_at(rank: int, step: int, t: int, *, dur: int = 8 * MS, run: str = RUN) 
 #: Call sites the simulated script's own collectives report.
 SITE_LOSS = "/job/train.py:57 in train"
 SITE_BARRIER = "/job/train.py:61 in train"
+#: accelerate's DataLoaderDispatcher handing out the batches rank 0 read.
+SITE_DISPATCH = (
+    "/venv/lib/python3.11/site-packages/accelerate/utils/operations.py:695 in broadcast_object_list"
+)
 
 
 def lockstep(
@@ -321,6 +325,7 @@ def lockstep(
     micro_batches: int = 1,
     join: bool = False,
     coll_transfer_ns: int = 100_000,
+    dispatch: bool = False,
 ) -> list[Message]:
     """Steps (and heartbeats) of ``world`` ranks in synchronous DDP, ordered by time.
 
@@ -342,7 +347,10 @@ def lockstep(
     - ``barrier_every``: a ``dist.barrier()`` opening every N-th step (an epoch end);
     - ``micro_batches``: gradient accumulation, the step's data, forward and
       backward split over that many micro-batches (each forward broadcasting
-      buffers), only the last backward all-reducing.
+      buffers), only the last backward all-reducing;
+    - ``dispatch``: accelerate's ``dispatch_batches``, a ``broadcast_object_list``
+      from accelerate after each micro-batch's data, in which every rank waits
+      for the slowest to have loaded.
     """
     t0 = [start_ns] * world
     out: list[Message] = []
@@ -359,6 +367,10 @@ def lockstep(
         for m in range(k):
             for r, p in enumerate(own):
                 cur[r] += _part(p.data, m, k)
+            if dispatch:
+                held.sync(
+                    cur, t0, coll_transfer_ns, "broadcast_object_list", "user", SITE_DISPATCH, -1
+                )
             if buffers:
                 held.sync(cur, t0, coll_transfer_ns, "broadcast", "ddp", "", -1)
             for r, p in enumerate(own):

@@ -155,6 +155,27 @@ def test_message_figures_and_what_if() -> None:
     assert "the other ranks wait for it at the all-reduce" in f.message
 
 
+@pytest.mark.parametrize("dispatch", [True, False], ids=["dispatch", "own-collective"])
+def test_a_rank_loading_for_the_others_under_accelerates_dispatch_is_told_so(
+    dispatch: bool,
+) -> None:
+    # Rank 0 reads every rank's batches; the others wait in accelerate's broadcast of
+    # them. Beside it: the same slow loader, the others waiting in the script's own
+    # all-reduce of the loss, which is the usual data fix.
+    timing = straggler(constant(BASE), 0, start=ONSET, extra_ns={"data": 60 * MS})
+    f = findings(analyse(2, 80, timing, dispatch=dispatch, loss_allreduce=not dispatch))[0]
+    assert f.ranks == [0] and f.evidence["grown_phases"] == ["data"]
+    if dispatch:
+        assert f.evidence["others_wait_in"] == "collectives"
+        assert f.evidence["dispatches_batches"] is True
+        assert "in broadcast_object_list at " in f.evidence["others_wait_where"]
+        assert f.fix.startswith("Rank 0 reads every rank's batches: under accelerate's")
+        assert "dispatch_batches=False" in f.fix
+    else:
+        assert "dispatches_batches" not in f.evidence
+        assert f.fix.startswith("Rank 0 waits longer for its batches.")
+
+
 def test_host_context_comes_from_the_slow_ranks_heartbeat() -> None:
     timing = straggler(noisy(5), 1, start=ONSET, extra_ns=half_more("forward"))
     analysis = analyse(

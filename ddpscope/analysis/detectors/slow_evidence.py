@@ -73,6 +73,16 @@ FIX = {
     ),
 }
 FIX["backward"] = FIX["forward"]
+#: For a data-loading straggler the others wait for in accelerate's dispatch.
+FIX_DISPATCH = (
+    "Rank {r} reads every rank's batches: under accelerate's dispatch_batches (its default "
+    "for an IterableDataset, under the Hugging Face Trainer too) it draws each global batch and "
+    "hands the others their slices, so they wait in its broadcast. Let each rank read its own "
+    "part (DataLoaderConfiguration(dispatch_batches=False) with a stream split by rank; "
+    "Trainer: TrainingArguments(accelerator_config={{'dispatch_batches': False}})), or make "
+    "rank {r}'s loading faster: more DataLoader num_workers, costly transforms moved off the "
+    "loop."
+)
 
 
 def evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
@@ -129,7 +139,10 @@ def evidence(run: RunState, r: int, steps: Iterable[int]) -> dict[str, Any]:
         # from an older rank side) that waits there alone keeps the evidence it had.
         ev["others_wait_split_ms"] = {w: _ms(v) for w, v in split.items()}
         ev["others_wait_in"] = main
-        ev["others_wait_where"] = _wait_where(run, r, steps[-4:], main)
+        where, op, site = _wait_where(run, r, steps[-4:], main)
+        ev["others_wait_where"] = where
+        if op in _SCATTERS and _ACCELERATE in site.replace("\\", "/"):
+            ev["dispatches_batches"] = True
     ev.update(host(run, r))
     return ev
 
@@ -141,10 +154,17 @@ WAIT_TEXT = {
 }
 
 
-def _wait_where(run: RunState, r: int, steps: Iterable[int], cls: str) -> str:
-    """Where the others wait, in words: the collective of ``cls`` that held them longest."""
+#: Collectives in which accelerate's DataLoaderDispatcher hands out the batches
+#: rank 0 read (``dispatch_batches``), and the path its calls come from.
+_SCATTERS = frozenset({"broadcast", "broadcast_object_list", "scatter", "scatter_object_list"})
+_ACCELERATE = "/accelerate/"
+
+
+def _wait_where(run: RunState, r: int, steps: Iterable[int], cls: str) -> tuple[str, str, str]:
+    """Where the others wait: in words, and the collective of ``cls`` that held them
+    longest with its call site ("" for either when not known)."""
     if cls == "allreduce":
-        return WAIT_TEXT[cls]
+        return WAIT_TEXT[cls], "", ""
     want = "ddp" if cls == "ddp_sync" else "user"
     held: dict[tuple[str, str], int] = {}
     for s in steps:
@@ -155,13 +175,13 @@ def _wait_where(run: RunState, r: int, steps: Iterable[int], cls: str) -> str:
                 if c == want:
                     held[(op, site)] = held.get((op, site), 0) + dur
     if not held:
-        return WAIT_TEXT[cls]
+        return WAIT_TEXT[cls], "", ""
     op, site = max(held, key=lambda k: held[k])
     if want == "ddp":
         if op == "broadcast":
-            return "in DDP's buffer broadcast at the start of forward"
-        return f"in DDP's {op} in forward"
-    return f"in {op} at {site}" if site else f"in {op}"
+            return "in DDP's buffer broadcast at the start of forward", op, ""
+        return f"in DDP's {op} in forward", op, ""
+    return (f"in {op} at {site}" if site else f"in {op}"), op, site
 
 
 def host(run: RunState, r: int) -> dict[str, Any]:

@@ -98,6 +98,7 @@ from ddpscope.analysis.detectors import contention
 from ddpscope.analysis.detectors.ratios import LongView, Sample, Window, log_z, onset_of
 from ddpscope.analysis.detectors.slow_evidence import (
     FIX,
+    FIX_DISPATCH,
     PHASE_LABEL,
     WAIT_TEXT,
     evidence,
@@ -470,7 +471,9 @@ class StragglerDetector:
             f"Steps take {ev['step_ms']:.1f} ms; "
             f"~{ev['what_if_step_ms']:.1f} ms if rank {r} kept pace with the others."
         )
-        fix = FIX[grown[0] if grown else "forward"].format(r=r) + host_hint(ev)
+        first = grown[0] if grown else "forward"
+        text = FIX_DISPATCH if first == "data" and ev.get("dispatches_batches") else FIX[first]
+        fix = text.format(r=r) + host_hint(ev)
         self._publish(run, r, step, flag, book, ev, message, fix)
 
     def _publish(
