@@ -23,7 +23,11 @@ parameter went unused does not. One step with a parameter left unused
 settles it the other way: the search is needed, and a finding already shown
 is withdrawn (inactive, and said so).
 A static graph runs the search once, not every step: those models send
-nothing.
+nothing. A step that accumulated micro-batches under ``no_sync()`` counts
+only when it left a parameter unused: DDP's map then also holds what the
+earlier micro-batches used (checked on a 2-rank job: a head used in the
+no_sync micro-batch and not in the synced one reads as used), while the
+search was needed for the synced forward.
 """
 
 from __future__ import annotations
@@ -97,7 +101,10 @@ class UnusedSearchDetector:
             m.unused_at = (msg.step, msg.rank, msg.unused_params)
             self._withdraw(msg.model, m, book)
             return
-        if msg.unused_params < 0 or m.unused_at is not None:
+        # Under accumulation the map also counts the no_sync micro-batches' use: a
+        # parameter the synced forward left out but an earlier one used reads as used,
+        # and DDP needed the search there. Only a count above 0 says anything then.
+        if msg.unused_params < 0 or msg.micro_batches > 1 or m.unused_at is not None:
             return
         n = m.known[msg.rank] = m.known.get(msg.rank, 0) + 1
         if m.first_step < 0:
