@@ -78,6 +78,8 @@ class UnusedSearch:
     def take(self, synced: bool) -> tuple[int, int]:
         """(search ns since the last take, parameters left unused or -1) for a step."""
         ns, self.ns = self.ns, 0
+        if getattr(self._model, "static_graph", False):
+            return -1, -1  # made static after construction (_set_static_graph): no search
         if not synced:
             return ns, -1
         try:

@@ -39,9 +39,14 @@ class TwoHeads(nn.Module):
         return self.head(h) + self.aux(h) if aux else self.head(h)
 
 
-def train(tmp: Path, model: DDP, plan: list[tuple[bool, bool]]) -> list[Step]:
-    """One step per (aux used, synced) entry; the steps the rank recorded."""
+def train(
+    tmp: Path, model: DDP, plan: list[tuple[bool, bool]], made_static: bool = False
+) -> list[Step]:
+    """One step per (aux used, synced) entry; the steps the rank recorded.
+    ``made_static``: the older API turns the graph static after attach."""
     handle = ddpscope.attach(model, record=str(tmp / "rec"))
+    if made_static:
+        model._set_static_graph()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for aux, synced in plan:
         with contextlib.nullcontext() if synced else model.no_sync():
@@ -70,12 +75,16 @@ def test_each_step_says_what_the_search_took_and_how_many_parameters_went_unused
 
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize(
-    "options", [{}, {"find_unused_parameters": True, "static_graph": True}], ids=["off", "static"]
+    "options",
+    [{}, {"find_unused_parameters": True, "static_graph": True}, {"find_unused_parameters": True}],
+    ids=["off", "static", "made-static"],
 )
 def test_a_model_ddp_does_not_search_every_step_sends_nothing(
     fresh_rank: Path, options: dict[str, bool]
 ) -> None:
-    steps = train(fresh_rank, DDP(TwoHeads(), **options), [(True, True)] * 3)
+    made_static = bool(options) and "static_graph" not in options
+    model = DDP(TwoHeads(), **options)
+    steps = train(fresh_rank, model, [(True, True)] * 3, made_static=made_static)
     assert [(s.search_ns, s.unused_params) for s in steps] == [(-1, -1)] * 3
 
 
@@ -83,7 +92,10 @@ def test_a_model_ddp_does_not_search_every_step_sends_nothing(
 
 
 def judged(
-    per_rank: dict[int, list[tuple[int, int]]], world: int = 2, micro_batches: int = 1
+    per_rank: dict[int, list[tuple[int, int]]],
+    world: int = 2,
+    micro_batches: int = 1,
+    join: bool = False,
 ) -> list[Finding]:
     """Each rank's steps as (unused params, search ns); 10 ms steps."""
     msgs: list[object] = list(run_infos(world, run=RUN))
@@ -95,7 +107,11 @@ def judged(
                 unused, ns = seq[s]
                 msgs.append(
                     dataclasses.replace(
-                        base, unused_params=unused, search_ns=ns, micro_batches=micro_batches
+                        base,
+                        unused_params=unused,
+                        search_ns=ns,
+                        micro_batches=micro_batches,
+                        join=join,
                     )
                 )
     analysis = feed(Analysis([UnusedSearchDetector()]), msgs)
@@ -135,6 +151,10 @@ def test_a_finding_shown_before_a_parameter_went_unused_is_withdrawn() -> None:
 def test_steps_whose_map_is_not_known_are_not_counted() -> None:
     # Accumulation under no_sync: every other step reduces no map.
     assert judged({0: [(-1, 100_000), (0, 100_000)] * (MIN_STEPS // 2 + 10)}) == []
+
+
+def test_steps_under_join_say_nothing_by_finding_none() -> None:
+    assert judged({0: [(0, 100_000)] * 400}, join=True) == []
 
 
 def test_accumulated_steps_say_nothing_by_finding_none() -> None:

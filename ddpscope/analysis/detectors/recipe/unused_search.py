@@ -27,7 +27,8 @@ nothing. A step that accumulated micro-batches under ``no_sync()`` counts
 only when it left a parameter unused: DDP's map then also holds what the
 earlier micro-batches used (checked on a 2-rank job: a head used in the
 no_sync micro-batch and not in the synced one reads as used), while the
-search was needed for the synced forward.
+search was needed for the synced forward. Steps under ``Join`` count the same
+way: ranks that ran out all-reduce their last map with the others'.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ class UnusedSearchDetector:
         # Under accumulation the map also counts the no_sync micro-batches' use: a
         # parameter the synced forward left out but an earlier one used reads as used,
         # and DDP needed the search there. Only a count above 0 says anything then.
-        if msg.unused_params < 0 or msg.micro_batches > 1 or m.unused_at is not None:
+        # Under Join, ranks out of data all-reduce a stale map with the others': the
+        # sums may hide a parameter the active ranks left out.
+        if msg.unused_params < 0 or msg.micro_batches > 1 or msg.join or m.unused_at is not None:
             return
         n = m.known[msg.rank] = m.known.get(msg.rank, 0) + 1
         if m.first_step < 0:
