@@ -353,23 +353,3 @@ def test_resuming_a_wrapper_checkpoint_into_the_plain_model_is_told_the_prefix(
     )
     assert "saved from the DDP wrapper" in f["fix"]
     assert "consume_prefix_in_state_dict_if_present" in f["fix"]
-
-
-def test_searching_for_unused_parameters_that_never_go_unused_is_info(
-    tmp_path: Path, endpoint: str
-) -> None:
-    # find_unused_parameters=True on the demo's MLP, every parameter used: 256 steps.
-    rec = tmp_path / "rec"
-    torchrun(
-        [str(DEMO), "--samples", "4096", "--epochs", "4", "--find-unused"],
-        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
-    )
-    doc = report_of(rec)
-    (f,) = of_kind(doc, "unused_parameter_search")
-    assert f["severity"] == "info" and f["ranks"] == [0, 1] and f["active"]
-    ev = f["evidence"]
-    assert ev["steps_without_unused"] == 256 and ev["model"] == 0
-    # Measured: DDP's post-forward, some tens of microseconds a step or more.
-    assert 0.01 < ev["post_forward_ms"] < ev["step_ms"] and ev["share"] > 0
-    assert "ddp_find_unused_parameters=False" in f["fix"]
-    assert serious(doc) == [], show(serious(doc))
