@@ -245,6 +245,10 @@ def test_hf_data_straggler_is_measured_in_accelerates_collective(hf_straggler: P
 def test_hf_data_straggler_is_named_with_its_rank(hf_straggler: Path) -> None:
     found = [f for f in serious(report(hf_straggler)) if f["kind"] == "straggler"]
     assert [f["ranks"] for f in found] == [[1]], brief(found)
+    # The others wait in accelerate's all_gather of the item count, not in a dispatch of
+    # batches: the usual data fix.
+    assert "dispatches_batches" not in found[0]["evidence"]
+    assert found[0]["fix"].startswith("Rank 1 waits longer for its batches.")
 
 
 def test_accelerate_uneven_batches_are_named_as_the_cause_of_what_follows(
