@@ -23,6 +23,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ddpscope import config
 from ddpscope.analysis.wording import ranks_phrase
@@ -318,13 +319,55 @@ def describe_unrecorded(env: Mapping[str, str]) -> str:
     if any(attempt.fullmatch(n) for n in names):
         return ""  # some attempt of the job attached (torchrun's restarts are ID-rN)
     head = f"ddpscope: run {opts.run_id} recorded nothing: no process of the job attached a model. "
-    unsynced = unwatched_training(read_notes(env.get(config.NOTES_VAR, "")))
+    notes_dir = env.get(config.NOTES_VAR, "")
+    failed = failed_constructions(read_failures(notes_dir))
+    if failed:
+        return head + failed
+    unsynced = unwatched_training(read_notes(notes_dir))
     if unsynced:
         return head + unsynced
     return head + (
         "ddpscope watches DistributedDataParallel models and modules under "
         "torch.distributed._composable.replicate; the job built none before it ended "
         "(FSDP and other sharded wrappers are not watched)."
+    )
+
+
+def read_failures(directory: str) -> list[dict[str, Any]]:
+    """The notes of DDP constructions that raised (hooks/unwatched.py), well-formed ones only."""
+    out = []
+    try:
+        names = sorted(os.listdir(directory)) if directory else []
+    except OSError:
+        return []
+    for name in names:
+        if not name.startswith("failed-"):
+            continue
+        try:
+            with open(os.path.join(directory, name)) as f:
+                note = json.load(f)
+            if isinstance(note.get("rank"), int) and all(
+                isinstance(note.get(k), str) for k in ("error", "site")
+            ):
+                out.append(note)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return out
+
+
+def failed_constructions(notes: list[dict[str, Any]]) -> str:
+    """What the job's DistributedDataParallel constructors raised, when they did."""
+    if not notes:
+        return ""
+    notes = sorted(notes, key=lambda n: n["rank"])
+    first = notes[0]
+    ranks = [n["rank"] for n in notes if n["rank"] >= 0]
+    who = ranks_phrase(ranks) if ranks else "a process"
+    same = all(n["error"] == first["error"] for n in notes)
+    also = "" if same or len(notes) == 1 else " (the others' errors differ: see the job's output)"
+    return (
+        f"DistributedDataParallel(...) raised on {who} at {first['site']}: {first['error']}"
+        f"{also}. There was no model to watch; the job's traceback says more."
     )
 
 

@@ -152,6 +152,18 @@ def _install_replicate(module: Any = None) -> None:
     _ReplicateState.record_init_args = record_init_args
 
 
+def _construction_failed(exc: BaseException) -> None:
+    """Leave ``ddpscope run`` a note of the error and the line that built the model."""
+    try:
+        from ddpscope.hooks import unwatched
+
+        caller = sys._getframe(2)  # the script's DDP(...) line, past our wrapper
+        site = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        unwatched.construction_failed(exc, site)
+    except Exception:
+        pass
+
+
 def install() -> bool:
     """Patch ``DistributedDataParallel.__init__``; idempotent. True if patched now."""
     global _original_init, _shim_pending
@@ -164,7 +176,11 @@ def install() -> bool:
 
     @functools.wraps(init)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
+        try:
+            init(self, *args, **kwargs)
+        except Exception as exc:
+            _construction_failed(exc)
+            raise
         if getattr(self, "module", None) not in _replicated:
             _auto_attach(self)
 

@@ -19,6 +19,11 @@ parameters, DeepSpeed or Horovod loaded), writes one JSON note to
 says what they show (``cli/run.py``). Gradients averaged by hand all-reduce at
 least once a step and stay quiet.
 
+A DDP model whose constructor raised (``SyncBatchNorm`` on a CPU module, a
+model with no trainable parameter, a bad ``device_ids``) leaves a note too
+(:func:`construction_failed`): the error and the line that built it, so that
+"recorded nothing" says why instead of "the job built none".
+
 Nothing here runs outside ``ddpscope run`` (no notes directory), and the hook
 stops counting at the first step after a model attached.
 """
@@ -120,6 +125,28 @@ def note(t: _Tally, loaded: Any = sys.modules) -> dict[str, Any] | None:
     if collectives * STEPS_PER_COLLECTIVE >= t.steps:
         return None
     return {"rank": t.rank, "world": t.world, "steps": t.steps, "collectives": collectives}
+
+
+#: Characters of a construction error a note keeps.
+MAX_ERROR = 300
+#: Note files of constructions that raised: ``failed-RANK-PID.json``.
+FAILED_PREFIX = "failed-"
+
+
+def construction_failed(exc: BaseException, site: str) -> None:
+    """Note that a ``DistributedDataParallel(...)`` at ``site`` raised ``exc`` (never raises)."""
+    notes = os.environ.get(NOTES_VAR)
+    if not notes:
+        return
+    try:
+        rank = int(os.environ.get("RANK", "-1") or -1)
+        error = f"{type(exc).__name__}: {exc}".strip()
+        found = {"rank": rank, "error": error[:MAX_ERROR], "site": site}
+        path = os.path.join(notes, f"{FAILED_PREFIX}{rank}-{os.getpid()}.json")
+        with open(path, "w") as f:
+            json.dump(found, f)
+    except Exception:
+        pass  # the user's error is what must surface, not ours
 
 
 def _write(notes: str) -> None:

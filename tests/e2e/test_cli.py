@@ -58,6 +58,27 @@ def test_run_says_where_the_recording_goes_and_that_a_job_with_no_model_recorded
     assert lines[1].startswith("ddpscope: run my-run recorded nothing: no process of the job")
 
 
+def test_a_job_whose_ddp_constructor_raised_is_told_why_nothing_was_recorded(
+    tmp_path: Path,
+) -> None:
+    # A world of one, and a model with nothing to train: DDP's constructor raises.
+    code = textwrap.dedent(
+        f"""
+        import torch.distributed as dist
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+        DDP(nn.ReLU())
+        """
+    )
+    proc = _cli("run", "--record", str(tmp_path), "--run-id", "r", "--", sys.executable, "-c", code)
+    assert proc.returncode == 1
+    assert "RuntimeError" in proc.stderr  # the job's own traceback, untouched
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith("ddpscope: run r recorded nothing: no process of the job attached")
+    assert "DistributedDataParallel(...) raised on a process at <string>:6: RuntimeError: " in last
+
+
 def test_run_of_a_missing_program_is_127(tmp_path: Path) -> None:
     proc = _cli("run", "--record", str(tmp_path), "--", "no-such-program-ddpscope")
     assert proc.returncode == 127

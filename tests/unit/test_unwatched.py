@@ -105,3 +105,34 @@ def test_no_notes_keep_the_plain_closing_line(tmp_path: Path) -> None:
     env = run_cmd.build_env({}, record=str(tmp_path / "rec"), run_id="job")
     env[NOTES_VAR] = str(tmp_path / "absent")
     assert "FSDP and other sharded wrappers are not watched" in run_cmd.describe_unrecorded(env)
+
+
+def test_a_ddp_constructor_that_raised_is_what_the_closing_line_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(NOTES_VAR, str(tmp_path))
+    for rank in (1, 0):
+        monkeypatch.setenv("RANK", str(rank))
+        err = ValueError("SyncBatchNorm layers only work with GPU modules")
+        unwatched.construction_failed(err, "/job/train.py:31")
+    _write(tmp_path, "failed-7-1.json", json.dumps({"rank": 7, "error": 3, "site": "x"}))
+    _write(tmp_path, "failed-8-1.json", "{not json")
+    assert [n["rank"] for n in run_cmd.read_failures(str(tmp_path))] == [0, 1]
+    env = run_cmd.build_env({}, record=str(tmp_path / "rec"), run_id="job")
+    env[NOTES_VAR] = str(tmp_path)
+    line = run_cmd.describe_unrecorded(env)
+    assert line == (
+        "ddpscope: run job recorded nothing: no process of the job attached a model. "
+        "DistributedDataParallel(...) raised on ranks 0, 1 at /job/train.py:31: ValueError: "
+        "SyncBatchNorm layers only work with GPU modules. There was no model to watch; the "
+        "job's traceback says more."
+    )
+
+
+def test_a_failure_note_is_written_only_under_ddpscope_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(NOTES_VAR, raising=False)
+    monkeypatch.chdir(tmp_path)
+    unwatched.construction_failed(RuntimeError("x"), "s:1")
+    assert list(tmp_path.iterdir()) == []
