@@ -58,16 +58,22 @@ def find(mark: str) -> list[psutil.Process]:
     return found
 
 
+#: The name torch gives a DataLoader worker process's main thread (its ``comm``): a
+#: forked worker otherwise shows its rank's command line.
+_LOADER_WORKER = "pt_data_worker"
+
+
 def describe(proc: psutil.Process) -> str:
     """``pid 123 (python train.py ...)``, or the bare pid when it is gone."""
     try:
         # One line whatever the arguments hold (a `python -c` script has newlines).
         line = " ".join(" ".join(proc.cmdline()).split()) or proc.name()
+        worker = proc.name() == _LOADER_WORKER
     except (psutil.Error, OSError):
         return f"pid {proc.pid}"
     if len(line) > _SHOWN_CHARS:
         line = line[: _SHOWN_CHARS - 3] + "..."
-    return f"pid {proc.pid} ({line})"
+    return f"pid {proc.pid} ({'a DataLoader worker of ' if worker else ''}{line})"
 
 
 def stop(procs: list[psutil.Process], grace_s: float = GRACE_S) -> list[str]:

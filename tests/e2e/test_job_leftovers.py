@@ -176,3 +176,24 @@ def test_run_stops_what_a_torchrun_jobs_ranks_left_running(tmp_path: Path) -> No
         assert "3 of its processes still running" in proc.stderr
     finally:
         kill_all(left)
+
+
+def test_the_dataloader_workers_of_a_killed_process_are_named_as_such(tmp_path: Path) -> None:
+    # SIGKILL leaves a process's DataLoader workers orphaned: torch's watchdog ends
+    # them only seconds later. They show the killed process's command line; torch
+    # names their main thread, which is how the line can say what they are.
+    code = textwrap.dedent(
+        """
+        import os, signal, torch
+        from torch.utils.data import DataLoader
+        it = iter(DataLoader(list(range(64)), batch_size=4, num_workers=2))
+        next(it)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = _finished(_headless_run(tmp_path, "--", sys.executable, "-c", code), timeout=90)
+    assert proc.returncode == -9 or proc.returncode == 137, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if "still running" in line]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "2 of its processes" in lines[0]
+    assert lines[0].count("(a DataLoader worker of ") == 2, lines[0]
