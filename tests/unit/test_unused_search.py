@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpscope
 from ddpscope.analysis.detectors.recipe.unused_search import (
     KIND,
+    LIVE_STEPS,
     MIN_STEPS,
     UnusedSearchDetector,
 )
@@ -96,8 +97,11 @@ def judged(
     world: int = 2,
     micro_batches: int = 1,
     join: bool = False,
+    epoch_len: int = 100,
+    finish: bool = True,
 ) -> list[Finding]:
-    """Each rank's steps as (unused params, search ns); 10 ms steps."""
+    """Each rank's steps as (unused params, search ns); 10 ms steps, ``epoch_len`` an
+    epoch (0: no epoch followed); the run finished unless ``finish`` is False."""
     msgs: list[object] = list(run_infos(world, run=RUN))
     n = max(len(v) for v in per_rank.values())
     for s in range(n):
@@ -112,10 +116,12 @@ def judged(
                         search_ns=ns,
                         micro_batches=micro_batches,
                         join=join,
+                        epoch=s // epoch_len if epoch_len else -1,
                     )
                 )
     analysis = feed(Analysis([UnusedSearchDetector()]), msgs)
-    analysis.finish()
+    if finish:
+        analysis.finish()
     return findings(analysis, KIND)
 
 
@@ -163,3 +169,17 @@ def test_accumulated_steps_say_nothing_by_finding_none() -> None:
     assert judged({0: [(0, 100_000)] * 400}, micro_batches=4) == []
     seq = [(0, 100_000)] * 10 + [(2, 100_000)] + [(0, 100_000)] * 400
     assert judged({0: seq}, micro_batches=4) == []
+
+
+def test_a_live_run_is_named_only_past_an_epoch_or_after_many_steps() -> None:
+    # 100-step epochs: the 200th step is past the first epoch.
+    assert len(judged({0: [(0, 100_000)] * MIN_STEPS}, finish=False)) == 1
+    # One long epoch, or no epoch to follow: not yet at 200 live, named at the end.
+    assert judged({0: [(0, 100_000)] * 300}, epoch_len=1000, finish=False) == []
+    assert judged({0: [(0, 100_000)] * 300}, epoch_len=0, finish=False) == []
+    assert len(judged({0: [(0, 100_000)] * 300}, epoch_len=0)) == 1
+    assert len(judged({0: [(0, 100_000)] * LIVE_STEPS}, epoch_len=0, finish=False)) == 1
+    # A parameter a rare batch leaves out at step 600 of a loop with no epochs: never
+    # told to drop the flag.
+    rare = [(0, 100_000)] * 600 + [(1, 100_000)] + [(0, 100_000)] * 600
+    assert judged({0: rare}, epoch_len=0, finish=False) == []

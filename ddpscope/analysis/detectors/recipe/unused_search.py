@@ -15,14 +15,16 @@ Each step of such a model says what DDP's post-forward took and how many
 parameters some rank left unused in its synced backward (``Step.search_ns``,
 ``Step.unused_params``: hooks/unusedsearch.py reads DDP's all-reduced used
 map). Named once :data:`MIN_STEPS` steps were known on some rank with no
-parameter left unused anywhere, with the post-forward's median time and its
-share of the median step as measured (1-2.5% on this VM's CPU jobs: an MLP,
-a 2-layer BERT under the Trainer). Not gated on that share: it sits near any
-threshold one would pick and moves with load between runs, where whether a
-parameter went unused does not. One step with a parameter left unused
-settles it the other way: the search is needed, and a finding already shown
-is withdrawn (inactive, and said so).
-A static graph runs the search once, not every step: those models send
+parameter left unused anywhere (live, also past an epoch boundary of that rank,
+or :data:`LIVE_STEPS` steps where no epoch is followed: a parameter that a rare
+batch leaves out has had its chance before a user is told to drop the flag),
+with the post-forward's median time and its share of the median step as
+measured (1-2.5% on this VM's CPU jobs: an MLP, a 2-layer BERT under the
+Trainer). Not gated on that share: it sits near any threshold one would pick
+and moves with load between runs, where whether a parameter went unused does
+not. One step with a parameter left unused settles it the other way: the
+search is needed, and a finding already shown is withdrawn (inactive, and
+said so). A static graph runs the search once, not every step: those models send
 nothing. A step that accumulated micro-batches under ``no_sync()`` counts
 only when it left a parameter unused: DDP's map then also holds what the
 earlier micro-batches used (checked on a 2-rank job: a head used in the
@@ -47,6 +49,11 @@ KIND = "unused_parameter_search"
 #: Synced steps with a known used map, on one rank, before the search is judged
 #: unneeded: a parameter left out now and then has had its chances.
 MIN_STEPS = 200
+#: While the run goes on, a finding also waits for the rank's epoch to have moved on
+#: once (a parameter the data leaves out now and then has had a whole epoch), or, for
+#: loops without epochs to follow, for this many steps. A finished run is judged on
+#: :data:`MIN_STEPS`.
+LIVE_STEPS = 1000
 #: Recent (post-forward ns, step ns) pairs kept per model for the medians.
 KEEP = 1024
 FIX = (
@@ -67,6 +74,9 @@ class _Model:
     recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=KEEP))
     ranks: set[int] = field(default_factory=set)
     first_step: int = -1
+    #: rank -> the epoch of its first known step; ranks whose epoch moved on since.
+    first_epoch: dict[int, int] = field(default_factory=dict)
+    epoch_passed: set[int] = field(default_factory=set)
 
 
 class UnusedSearchDetector:
@@ -112,7 +122,10 @@ class UnusedSearchDetector:
         n = m.known[msg.rank] = m.known.get(msg.rank, 0) + 1
         if m.first_step < 0:
             m.first_step = msg.step
-        if n % MIN_STEPS == 0:
+        first = m.first_epoch.setdefault(msg.rank, msg.epoch)
+        if msg.epoch > first >= 0:
+            m.epoch_passed.add(msg.rank)
+        if n % MIN_STEPS == 0 and (msg.rank in m.epoch_passed or n >= LIVE_STEPS):
             self._judge(msg.model, m, book)
 
     @staticmethod
