@@ -270,6 +270,11 @@ class Step(Message):
     #: left unused in the step's synced backward (-1: not known, as under no_sync).
     search_ns: int = -1
     unused_params: int = -1
+    #: With ``unused_params`` > 0: a 63-bit digest of which parameters went unused (the
+    #: same set gives the same digest on every rank and step), and their names (at most
+    #: MAX_UNUSED_NAMES, in DDP's order) on the first step of each new set.
+    unused_set: int = 0
+    unused_names: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -371,6 +376,9 @@ class SamplerPass(Message):
     #: ``replacement=True``): ranks drawing apart still share samples by chance.
     replacement: bool = False
 
+
+#: Step.unused_names holds at most this many names.
+MAX_UNUSED_NAMES = 16
 
 #: SamplerPassEnd.head holds at most this many of a pass's first indices.
 HEAD_LEN = 16
@@ -860,6 +868,7 @@ _LIMITS: dict[tuple[str, str], int] = {
         ("step", f): MAX_STEP_COLLECTIVES
         for f in ("c_op", "c_class", "c_group", "c_site", "c_nbytes", "c_offset_ns", "c_dur_ns")
     },
+    ("step", "unused_names"): MAX_UNUSED_NAMES,
     ("buckets", "index"): MAX_BUCKETS,
     ("buckets", "nbytes"): MAX_BUCKETS,
     ("buckets", "dtype"): MAX_BUCKETS,

@@ -88,6 +88,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="DDP(find_unused_parameters=True), though every parameter is used every step",
     )
+    p.add_argument(
+        "--unused-head",
+        action="store_true",
+        help="the model holds a head its forward never calls (with --find-unused: it runs)",
+    )
     p.add_argument("--no-join", action="store_true", help="--uneven without the Join manager")
     p.add_argument(
         "--join-divide-active",
@@ -162,6 +167,18 @@ def build_model(width: int, depth: int, batchnorm: bool = False) -> nn.Module:
         layers += [nn.ReLU()]
     layers += [nn.Linear(width, 10)]
     return nn.Sequential(*layers)
+
+
+class WithUnusedHead(nn.Module):
+    """A model with a head its forward never calls: those parameters get no gradient."""
+
+    def __init__(self, body: nn.Module, width: int) -> None:
+        super().__init__()
+        self.body = body
+        self.unused_head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
 
 
 class ConvNet(nn.Module):
@@ -251,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         net: nn.Module = ConvNet(args.width)
     else:
         net = build_model(args.width, args.depth, args.batchnorm)
+    if args.unused_head:
+        net = WithUnusedHead(net, args.width)
     net = net.to(device or "cpu")
     if rank == args.slow_rank and args.slow_phase == "forward":
         net.register_forward_pre_hook(lambda *_: time.sleep(args.slow_ms / 1000))

@@ -66,6 +66,10 @@ class StepRecord(NamedTuple):
     #: backward (hooks/unusedsearch.py); -1 where DDP does not search / not known.
     search_ns: int
     unused_params: int
+    #: Digest of which parameters went unused (0: none or not known), and their names
+    #: when the set changed since the step before (else None).
+    unused_set: int
+    unused_names: tuple[str, ...] | None
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

@@ -851,7 +851,12 @@ class StepTracker:
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
         search = self.search
-        search_ns, unused = search.take(self._synced) if search is not None else (-1, -1)
+        if search is not None:
+            search_ns, unused = search.take(self._synced)
+            unused_set, unused_names = search.last_set, search.new_names
+        else:
+            search_ns = unused = -1
+            unused_set, unused_names = 0, None
         # tuple.__new__: the record's fields without NamedTuple's Python __new__
         # (175 ns against 710 ns, timeit).
         record = _new_record(
@@ -885,6 +890,8 @@ class StepTracker:
                 loaderwait.worker_copies,
                 search_ns,
                 unused,
+                unused_set,
+                unused_names,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
@@ -1102,6 +1109,10 @@ class StepTracker:
         if rec.search_ns >= 0:
             fields["search_ns"] = rec.search_ns
             fields["unused_params"] = rec.unused_params
+            if rec.unused_set:
+                fields["unused_set"] = rec.unused_set
+            if rec.unused_names:
+                fields["unused_names"] = list(rec.unused_names)
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

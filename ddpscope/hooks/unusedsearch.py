@@ -12,7 +12,8 @@ Two figures per step, read on the training thread only for such a model:
 
 * ``search_ns``: time in DDP's ``_post_forward`` over the step's forwards (a
   wrapper set on the instance; two clock reads a forward).
-* ``unused``: parameters some rank left unused in the step's synced backward.
+* ``unused``: parameters some rank left unused in the step's synced backward,
+  and which (a digest every step; their names when the set changes).
   After such a backward DDP's used map (``reducer._get_local_used_map()``) holds,
   per parameter, how many ranks used it (all-reduced before the buckets are
   finalised), so a count below the group's size is a parameter left unused
@@ -30,7 +31,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ddpscope.schema import MAX_UNUSED_NAMES
+
 _monotonic_ns = time.monotonic_ns
+_MASK = (1 << 63) - 1
 #: The instance attribute the wrapper is set under (DDP's own method, looked up there).
 _ATTR = "_post_forward"
 
@@ -38,13 +42,19 @@ _ATTR = "_post_forward"
 class UnusedSearch:
     """One DDP model's search cost and findings, taken at each step's close."""
 
-    __slots__ = ("_model", "_orig", "_size", "_timed", "ns")
+    __slots__ = ("_model", "_names", "_orig", "_size", "_timed", "last_set", "new_names", "ns")
 
     def __init__(self, model: Any, size: int) -> None:
         self._model = model
         self._size = size
         #: Host ns in ``_post_forward`` since the last :meth:`take`.
         self.ns = 0
+        #: Digest of the set of parameters the last :meth:`take` found unused (0: none
+        #: or not known), and their names when that set differs from the one before
+        #: (else None): the names travel once, the digest with every step.
+        self.last_set = 0
+        self.new_names: tuple[str, ...] | None = None
+        self._names: list[str] | None = None
         self._orig = getattr(model, _ATTR)
 
         def timed(output: Any) -> Any:
@@ -82,12 +92,42 @@ class UnusedSearch:
             return -1, -1  # made static after construction (_set_static_graph): no search
         if not synced:
             return ns, -1
+        before, self.new_names = self.last_set, None
         try:
             used = self._model.reducer._get_local_used_map()
-            unused = -1 if used is None or used.numel() == 0 else int((used < self._size).sum())
+            if used is None or used.numel() == 0:
+                self.last_set = 0
+                return ns, -1
+            mask = used < self._size
+            unused = int(mask.sum())
+            self.last_set = self._which(mask, unused) if unused else 0
         except Exception:  # the map is DDP's internals: never break the step over it
-            unused = -1
+            self.last_set = 0
+            return ns, -1
+        if self.last_set and self.last_set != before:
+            self.new_names = self._named(mask)
         return ns, unused
+
+    @staticmethod
+    def _which(mask: Any, unused: int) -> int:
+        """A digest of which parameters went unused (a tuple's hash: the same in every
+        process for the same ints), never 0."""
+        idx = tuple(mask.nonzero().flatten().tolist())
+        return (hash(idx) & _MASK) or 1
+
+    def _named(self, mask: Any) -> tuple[str, ...]:
+        """The names of the parameters in ``mask`` (at most :data:`MAX_UNUSED_NAMES`), in DDP's
+        order: the module's trainable parameters it does not ignore; () if they do not
+        line up with the map."""
+        if self._names is None:
+            skip = getattr(self._model, "parameters_to_ignore", ()) or ()
+            module = getattr(self._model, "module", None)
+            named = module.named_parameters() if module is not None else ()
+            self._names = [n for n, p in named if p.requires_grad and n not in skip]
+        if len(self._names) != mask.numel():
+            return ()
+        idx = mask.nonzero().flatten().tolist()[:MAX_UNUSED_NAMES]
+        return tuple(self._names[i] for i in idx)
 
     def close(self) -> None:
         """Put DDP's own method back (unless someone wrapped ours since)."""

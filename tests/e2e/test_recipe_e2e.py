@@ -353,3 +353,24 @@ def test_resuming_a_wrapper_checkpoint_into_the_plain_model_is_told_the_prefix(
     )
     assert "saved from the DDP wrapper" in f["fix"]
     assert "consume_prefix_in_state_dict_if_present" in f["fix"]
+
+
+def test_the_same_parameters_unused_every_step_are_named_for_static_graph(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # find_unused_parameters=True for a head the forward never calls: 256 steps, 2 ranks.
+    # Both ranks digest the same set the same way, and one of them names it.
+    rec = tmp_path / "rec"
+    torchrun(
+        [str(DEMO), "--samples", "4096", "--epochs", "4", "--find-unused", "--unused-head"],
+        env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint),
+    )
+    doc = report_of(rec)
+    (f,) = of_kind(doc, "unused_parameter_search")
+    ev = f["evidence"]
+    assert f["severity"] == "info" and f["active"] and f["ranks"] == [0, 1]
+    assert ev["case"] == "same_unused" and ev["steps_same_unused"] == 256
+    assert ev["unused_names"] == ["unused_head.weight", "unused_head.bias"]
+    assert 0.01 < ev["post_forward_ms"] < ev["step_ms"]
+    assert "static_graph=True" in f["fix"]
+    assert serious(doc) == [], show(serious(doc))

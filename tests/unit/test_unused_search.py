@@ -72,6 +72,25 @@ def test_each_step_says_what_the_search_took_and_how_many_parameters_went_unused
     # aux's weight and bias sit out the steps without it; under no_sync DDP reduces
     # no used map: not known.
     assert [s.unused_params for s in steps] == [0, 2, 0, -1, 0]
+    # Which: a digest with every step that left some out, their names with the first.
+    assert steps[1].unused_set > 0 and steps[1].unused_names == ["aux.weight", "aux.bias"]
+    assert [s.unused_set for s in steps[::2]] == [0, 0, 0] and steps[3].unused_set == 0
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_the_names_of_a_set_come_once_and_its_digest_with_every_step(fresh_rank: Path) -> None:
+    model = DDP(TwoHeads(), find_unused_parameters=True)
+    steps = train(fresh_rank, model, [(False, True)] * 3 + [(True, True), (False, True)])
+    sets = [s.unused_set for s in steps]
+    assert sets[0] == sets[1] == sets[2] == sets[4] > 0 and sets[3] == 0
+    # Named on the first step of the set, and again when it comes back after a change.
+    assert [s.unused_names for s in steps] == [
+        ["aux.weight", "aux.bias"],
+        [],
+        [],
+        [],
+        ["aux.weight", "aux.bias"],
+    ]
 
 
 @pytest.mark.usefixtures("world_of_one")
@@ -183,3 +202,50 @@ def test_a_live_run_is_named_only_past_an_epoch_or_after_many_steps() -> None:
     # told to drop the flag.
     rare = [(0, 100_000)] * 600 + [(1, 100_000)] + [(0, 100_000)] * 600
     assert judged({0: rare}, epoch_len=0, finish=False) == []
+
+
+def judged_sets(sets: list[int], **kw: object) -> list[Finding]:
+    """One rank; per step the digest of its unused set (0: none), 2 parameters each."""
+    msgs: list[object] = list(run_infos(1, run=RUN))
+    for s, d in enumerate(sets):
+        base = step_at(0, s, (s + 1) * 10_000_000, dur=10_000_000, run=RUN)
+        msgs.append(
+            dataclasses.replace(
+                base,
+                search_ns=100_000,
+                unused_params=2 if d else 0,
+                unused_set=d,
+                unused_names=["pooler.weight", "pooler.bias"] if s == 0 and d else [],
+                epoch=s // 100,
+                **kw,  # type: ignore[arg-type]
+            )
+        )
+    analysis = feed(Analysis([UnusedSearchDetector()]), msgs)
+    analysis.finish()
+    return findings(analysis, KIND)
+
+
+def test_the_same_parameters_unused_every_step_point_to_static_graph() -> None:
+    (f,) = judged_sets([77] * 300)
+    assert f.severity == "info" and f.active
+    assert f.evidence["case"] == "same_unused" and f.evidence["steps_same_unused"] == 300
+    assert f.evidence["unused_names"] == ["pooler.weight", "pooler.bias"]
+    assert "leaves the same 2 parameters (pooler.weight, pooler.bias) without a gradient" in (
+        f.message
+    )
+    assert "static_graph=True" in f.fix and "add_pooling_layer=False" in f.fix
+
+
+def test_unused_sets_that_change_keep_the_search() -> None:
+    assert judged_sets([77, 78] * 150) == []
+    assert judged_sets([77] * 150 + [0] + [77] * 150) == []
+
+
+def test_a_static_graph_hint_is_withdrawn_when_the_set_changes_later() -> None:
+    (f,) = judged_sets([77] * 250 + [78] + [77] * 10)
+    assert not f.active and f.message.endswith("a later step left other parameters unused.")
+
+
+def test_accumulation_rules_out_the_static_graph_hint() -> None:
+    # static_graph=True with no_sync() trips a PyTorch internal assert.
+    assert judged_sets([77] * 300, micro_batches=2) == []
