@@ -6,7 +6,8 @@ time (where the search runs) and the whole step, each a median with its 95%
 interval. Then the cost hooks/unusedsearch.py adds on the training thread:
 the timing wrapper around ``_post_forward`` (alternated forwards with and
 without it) and ``UnusedSearch.take`` at a step's close (reading DDP's used
-map), in microseconds.
+map; with a head never used, also the digest of which parameters), in
+microseconds.
 
     python -m benchmarks.unused_search [--steps 400] [--depth 8] [--width 256]
 """
@@ -118,16 +119,31 @@ def run(args: argparse.Namespace) -> None:
                 search = None
     wrap, wci = paired_ci(wrapped, bare, lambda a, b: a - b)
     print(f"ddpscope: the wrapper +{wrap / 1e3:.2f} us [{wci[0] / 1e3:.2f}, {wci[1] / 1e3:.2f}]")
-    search = UnusedSearch.of(model)
-    assert search is not None
-    model(x).sum().backward()
-    takes = []
-    for _ in range(args.steps):
-        t0 = time.perf_counter_ns()
-        search.take(True)
-        takes.append(time.perf_counter_ns() - t0)
-    search.close()
-    print(f"ddpscope: take() at a step's close (reads the used map) {_fmt(takes)}")
+    for label, net in (("none unused", model), ("a head unused", _with_unused_head(args))):
+        search = UnusedSearch.of(net)
+        assert search is not None
+        net(x).sum().backward()
+        takes = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter_ns()
+            search.take(True)
+            takes.append(time.perf_counter_ns() - t0)
+        search.close()
+        print(f"ddpscope: take() at a step's close, {label}: {_fmt(takes)}")
+
+
+class _Unused(nn.Module):
+    def __init__(self, body: nn.Module, width: int) -> None:
+        super().__init__()
+        self.body, self.head = body, nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _with_unused_head(args: argparse.Namespace) -> DDP:
+    """The same MLP beside a head it never calls: a set to digest at every close."""
+    return DDP(_Unused(_mlp(args.depth, args.width), args.width), find_unused_parameters=True)
 
 
 if __name__ == "__main__":

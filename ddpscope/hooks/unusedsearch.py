@@ -21,9 +21,10 @@ Two figures per step, read on the training thread only for such a model:
 
 Measured on the 2-core VM (``python -m benchmarks.unused_search``, an
 8-layer MLP in a world of one, alternated): ``_post_forward`` takes 25 us a
-forward without the search and 95-102 us with it; reading the map at a
-step's close 5.0 us; the wrapper's cost is inside the noise of a forward
-(+10 us, intervals [-3.7, 22.7] and [-0.8, 19.2]).
+forward without the search and 84-102 us with it; reading the map at a
+step's close 5 us (7-8 us with a set of unused parameters to digest); the
+wrapper +3 to +10 us a forward over four runs, two of whose intervals
+included zero.
 """
 
 from __future__ import annotations
