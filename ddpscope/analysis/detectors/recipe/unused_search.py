@@ -63,6 +63,8 @@ MIN_STEPS = 200
 #: loops without epochs to follow, for this many steps. A finished run is judged on
 #: :data:`MIN_STEPS`.
 LIVE_STEPS = 1000
+#: Steps (on one rank) between two updates of a finding shown: its counts and medians.
+UPDATE_EVERY = 50
 #: Recent (post-forward ns, step ns) pairs kept per model for the medians.
 KEEP = 1024
 FIX = (
@@ -165,7 +167,8 @@ class UnusedSearchDetector:
             first = m.first_epoch.setdefault(msg.rank, msg.epoch)
             if msg.epoch > first >= 0:
                 m.epoch_passed.add(msg.rank)
-            if n % MIN_STEPS == 0 and (msg.rank in m.epoch_passed or n >= LIVE_STEPS):
+            due = n % MIN_STEPS == 0 and (msg.rank in m.epoch_passed or n >= LIVE_STEPS)
+            if due or (m.raised is not None and n % UPDATE_EVERY == 0):
                 self._judge(msg.model, m, book)
         if m.raised is not None and m.case() != m.raised:
             self._withdraw(msg.model, m, book)
