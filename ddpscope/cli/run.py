@@ -333,26 +333,35 @@ def describe_unrecorded(env: Mapping[str, str]) -> str:
     )
 
 
-def read_failures(directory: str) -> list[dict[str, Any]]:
-    """The notes of DDP constructions that raised (hooks/unwatched.py), well-formed ones only."""
+def _json_notes(directory: str, prefix: str = "") -> list[dict[str, Any]]:
+    """The JSON objects the job's ranks left in ``directory`` (names starting with
+    ``prefix``); unreadable ones skipped."""
     out = []
     try:
         names = sorted(os.listdir(directory)) if directory else []
     except OSError:
         return []
     for name in names:
-        if not name.startswith("failed-"):
+        if not name.startswith(prefix):
             continue
         try:
             with open(os.path.join(directory, name)) as f:
                 note = json.load(f)
-            if isinstance(note.get("rank"), int) and all(
-                isinstance(note.get(k), str) for k in ("error", "site")
-            ):
-                out.append(note)
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError):
             continue
+        if isinstance(note, dict):
+            out.append(note)
     return out
+
+
+def read_failures(directory: str) -> list[dict[str, Any]]:
+    """The notes of DDP constructions that raised (hooks/unwatched.py), well-formed ones only."""
+    return [
+        n
+        for n in _json_notes(directory, "failed-")
+        if isinstance(n.get("rank"), int)
+        and all(isinstance(n.get(k), str) for k in ("error", "site"))
+    ]
 
 
 def failed_constructions(notes: list[dict[str, Any]]) -> str:
@@ -373,20 +382,8 @@ def failed_constructions(notes: list[dict[str, Any]]) -> str:
 
 def read_notes(directory: str) -> list[dict[str, int]]:
     """The notes the job's ranks left (hooks/unwatched.py), well-formed ones only."""
-    out = []
-    try:
-        names = sorted(os.listdir(directory)) if directory else []
-    except OSError:
-        return []
-    for name in names:
-        try:
-            with open(os.path.join(directory, name)) as f:
-                note = json.load(f)
-            if all(isinstance(note.get(k), int) for k in ("rank", "world", "steps", "collectives")):
-                out.append(note)
-        except (OSError, ValueError, AttributeError):
-            continue
-    return out
+    keys = ("rank", "world", "steps", "collectives")
+    return [n for n in _json_notes(directory) if all(isinstance(n.get(k), int) for k in keys)]
 
 
 def unwatched_training(notes: list[dict[str, int]]) -> str:
