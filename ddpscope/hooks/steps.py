@@ -70,6 +70,8 @@ from ddpscope.hooks.unusedsearch import UnusedSearch
 from ddpscope.schema import MAX_STEP_COLLECTIVES, BucketLayout, Step
 
 log = logging.getLogger("ddpscope")
+#: A step's search figures for a model DDP does not search every step.
+_NO_SEARCH: tuple[int, int, int, None] = (-1, -1, 0, None)
 
 DATA, FORWARD, BACKWARD, WAIT, OPTIMIZER = range(5)
 _PHASE_FIELD = {
@@ -851,12 +853,9 @@ class StepTracker:
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
         search = self.search
-        if search is not None:
-            search_ns, unused = search.take(self._synced)
-            unused_set, unused_names = search.last_set, search.new_names
-        else:
-            search_ns = unused = -1
-            unused_set, unused_names = 0, None
+        search_ns, unused, unused_set, unused_names = (
+            search.take(self._synced) if search is not None else _NO_SEARCH
+        )
         # tuple.__new__: the record's fields without NamedTuple's Python __new__
         # (175 ns against 710 ns, timeit).
         record = _new_record(

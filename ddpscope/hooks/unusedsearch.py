@@ -22,7 +22,7 @@ Two figures per step, read on the training thread only for such a model:
 Measured on the 2-core VM (``python -m benchmarks.unused_search``, an
 8-layer MLP in a world of one, alternated): ``_post_forward`` takes 25 us a
 forward without the search and 84-102 us with it; reading the map at a
-step's close 5 us (7-8 us with a set of unused parameters to digest); the
+step's close 4-5 us, a set of unused parameters to digest included; the
 wrapper +3 to +10 us a forward over four runs, two of whose intervals
 included zero.
 """
@@ -43,18 +43,15 @@ _ATTR = "_post_forward"
 class UnusedSearch:
     """One DDP model's search cost and findings, taken at each step's close."""
 
-    __slots__ = ("_model", "_names", "_orig", "_size", "_timed", "last_set", "new_names", "ns")
+    __slots__ = ("_last_set", "_model", "_names", "_orig", "_size", "_timed", "ns")
 
     def __init__(self, model: Any, size: int) -> None:
         self._model = model
         self._size = size
         #: Host ns in ``_post_forward`` since the last :meth:`take`.
         self.ns = 0
-        #: Digest of the set of parameters the last :meth:`take` found unused (0: none
-        #: or not known), and their names when that set differs from the one before
-        #: (else None): the names travel once, the digest with every step.
-        self.last_set = 0
-        self.new_names: tuple[str, ...] | None = None
+        #: The digest the last :meth:`take` gave: names go out when it changes.
+        self._last_set = 0
         self._names: list[str] | None = None
         self._orig = getattr(model, _ATTR)
 
@@ -86,49 +83,44 @@ class UnusedSearch:
             return None
         return cls(model, size)
 
-    def take(self, synced: bool) -> tuple[int, int]:
-        """(search ns since the last take, parameters left unused or -1) for a step."""
+    def take(self, synced: bool) -> tuple[int, int, int, tuple[str, ...] | None]:
+        """For a step: the search's ns since the last take, the parameters left unused
+        (-1: not known), a digest of which (0: none or not known; the same in every
+        process for the same set, never 0 otherwise) and their names when that set
+        differs from the last take's (else None): the names travel once, the digest
+        with every step."""
         ns, self.ns = self.ns, 0
         if getattr(self._model, "static_graph", False):
-            return -1, -1  # made static after construction (_set_static_graph): no search
+            return -1, -1, 0, None  # made static after construction: no search
         if not synced:
-            return ns, -1
-        before, self.new_names = self.last_set, None
+            return ns, -1, 0, None
+        before, self._last_set = self._last_set, 0
         try:
             used = self._model.reducer._get_local_used_map()
             if used is None or used.numel() == 0:
-                self.last_set = 0
-                return ns, -1
-            mask = used < self._size
-            unused = int(mask.sum())
-            self.last_set = self._which(mask, unused) if unused else 0
+                return ns, -1, 0, None
+            idx = (used < self._size).nonzero().flatten().tolist()
         except Exception:  # the map is DDP's internals: never break the step over it
-            self.last_set = 0
-            return ns, -1
-        if self.last_set and self.last_set != before:
-            self.new_names = self._named(mask)
-        return ns, unused
+            return ns, -1, 0, None
+        if not idx:
+            return ns, 0, 0, None
+        # A tuple of ints hashes alike in every process (only str and bytes are salted).
+        which = self._last_set = (hash(tuple(idx)) & _MASK) or 1
+        names = self._named(idx, used.numel()) if which != before else None
+        return ns, len(idx), which, names
 
-    @staticmethod
-    def _which(mask: Any, unused: int) -> int:
-        """A digest of which parameters went unused (a tuple's hash: the same in every
-        process for the same ints), never 0."""
-        idx = tuple(mask.nonzero().flatten().tolist())
-        return (hash(idx) & _MASK) or 1
-
-    def _named(self, mask: Any) -> tuple[str, ...]:
-        """The names of the parameters in ``mask`` (at most :data:`MAX_UNUSED_NAMES`), in DDP's
+    def _named(self, idx: list[int], size: int) -> tuple[str, ...]:
+        """The names of parameters ``idx`` (at most :data:`MAX_UNUSED_NAMES`), in DDP's
         order: the module's trainable parameters it does not ignore; () if they do not
-        line up with the map."""
+        line up with the map's ``size``."""
         if self._names is None:
             skip = getattr(self._model, "parameters_to_ignore", ()) or ()
             module = getattr(self._model, "module", None)
             named = module.named_parameters() if module is not None else ()
             self._names = [n for n, p in named if p.requires_grad and n not in skip]
-        if len(self._names) != mask.numel():
+        if len(self._names) != size:
             return ()
-        idx = mask.nonzero().flatten().tolist()[:MAX_UNUSED_NAMES]
-        return tuple(self._names[i] for i in idx)
+        return tuple(self._names[i] for i in idx[:MAX_UNUSED_NAMES])
 
     def close(self) -> None:
         """Put DDP's own method back (unless someone wrapped ours since)."""
