@@ -42,28 +42,41 @@ def judged(sim: Sim) -> list[Finding]:
     return findings(analysis, KIND)
 
 
+def begin_stream(sim: Sim, r: int) -> None:
+    """Rank ``r`` begins a pass over the stream of loader 0: the begin, and the untracked
+    end the rank sends for an IterableDataset right after it."""
+    pid = sim.begin(r, 0, Plan([], dict(STREAM)))
+    sim.last_pass[r] = sim.gid[r] - 1
+    sim.msgs.append(
+        SamplerPassEnd(
+            run=RUN, rank=r, t=sim._t(), loader=0, pass_id=pid, step=0, count=-1,
+            complete=False, digest=0, head=[], sketch=[], sketch_mod=1,
+        )
+    )  # fmt: skip
+
+
+def step_with(sim: Sim, r: int, **fields: int) -> None:
+    """Rank ``r``'s next step, with ``fields`` set on its Step."""
+    sim.steps(r)
+    last = sim.msgs[-1]
+    assert isinstance(last, Step)
+    sim.msgs[-1] = dataclasses.replace(last, **fields)  # type: ignore[arg-type]
+
+
 def run(world: int, steps: int, digest: Digest, plan: Callable[[int], Plan] | None = None) -> Sim:
     """Each rank begins one pass (an untracked stream unless ``plan`` says), then steps."""
     sim = Sim(world)
     for r in range(world):
-        p = plan(r) if plan else Plan([], dict(STREAM))
+        if plan is None:
+            begin_stream(sim, r)
+            continue
+        p = plan(r)
         pid = sim.begin(r, 0, p)
         sim.last_pass[r] = sim.gid[r] - 1
-        if plan:
-            sim.end(r, 0, pid, p.indices, complete=False)
-        else:  # what the rank sends for an IterableDataset, right after the begin
-            sim.msgs.append(
-                SamplerPassEnd(
-                    run=RUN, rank=r, t=sim._t(), loader=0, pass_id=pid, step=0, count=-1,
-                    complete=False, digest=0, head=[], sketch=[], sketch_mod=1,
-                )
-            )  # fmt: skip
+        sim.end(r, 0, pid, p.indices, complete=False)
     for s in range(steps):
         for r in range(world):
-            sim.steps(r)
-            last = sim.msgs[-1]
-            assert isinstance(last, Step)
-            sim.msgs[-1] = dataclasses.replace(last, batch_digest=digest(s, r))
+            step_with(sim, r, batch_digest=digest(s, r))
     return sim
 
 

@@ -9,7 +9,6 @@ say nothing.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from ddpscope.analysis.detectors.sampling.worker_copies import (
@@ -19,10 +18,9 @@ from ddpscope.analysis.detectors.sampling.worker_copies import (
 )
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding
-from ddpscope.schema import SamplerPassEnd, Step
 from tests.support.synth import feed, findings
-from tests.unit.test_detect_same_batches import STREAM
-from tests.unit.test_detect_sampling import RUN, Plan, Sim
+from tests.unit.test_detect_same_batches import begin_stream, step_with
+from tests.unit.test_detect_sampling import Sim
 
 #: Workers found alike at (epoch, step in the epoch, rank); 0: the step says nothing.
 Copies = Callable[[int, int, int], int]
@@ -39,20 +37,10 @@ def run(world: int, epochs: int, copies: Copies, steps: int = 6) -> Sim:
     sim = Sim(world)
     for e in range(epochs):
         for r in range(world):
-            pid = sim.begin(r, 0, Plan([], dict(STREAM)))
-            sim.last_pass[r] = sim.gid[r] - 1
-            sim.msgs.append(
-                SamplerPassEnd(
-                    run=RUN, rank=r, t=sim._t(), loader=0, pass_id=pid, step=0, count=-1,
-                    complete=False, digest=0, head=[], sketch=[], sketch_mod=1,
-                )
-            )  # fmt: skip
+            begin_stream(sim, r)
         for s in range(steps):
             for r in range(world):
-                sim.steps(r)
-                last = sim.msgs[-1]
-                assert isinstance(last, Step)
-                sim.msgs[-1] = dataclasses.replace(last, worker_copies=copies(e, s, r))
+                step_with(sim, r, worker_copies=copies(e, s, r))
     return sim
 
 
