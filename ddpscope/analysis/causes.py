@@ -157,21 +157,7 @@ def _paced_by_loader(
         return
     length = {int(q): n for q, n in per_rank.items() if str(q).isdigit()}
     for h in book.of_kind("hyperparam_mismatch"):
-        groups = h.evidence.get("values")
-        if (h.kind, h.key) in out or not isinstance(groups, list) or len(groups) < 2:
-            continue
-        seen: dict[object, int] = {}
-        ok = True
-        for i, g in enumerate(groups):
-            ranks = g.get("ranks") if isinstance(g, dict) else None
-            if not isinstance(ranks, list) or not ranks or g.get("count") != len(ranks):
-                ok = False  # a group listed in part (a large world): not judged
-                break
-            lengths = {length.get(q) for q in ranks}
-            if len(lengths) != 1 or None in lengths or seen.setdefault(lengths.pop(), i) != i:
-                ok = False
-                break
-        if not ok:
+        if (h.kind, h.key) in out or not _split_alike(h.evidence.get("values"), length):
             continue
         what = "batches" if u.evidence.get("batches_per_epoch") else "samples"
         sizes = "; ".join(
@@ -185,6 +171,24 @@ def _paced_by_loader(
             "steps, its warm-up) runs at another pace on each.",
             fix=fix,
         )
+
+
+def _split_alike(groups: object, length: dict[int, object]) -> bool:
+    """Whether the value groups of a ``hyperparam_mismatch`` (two or more, each listed
+    whole) split the ranks exactly as ``length`` does: one length per group, a length
+    for no other group."""
+    if not isinstance(groups, list) or len(groups) < 2:
+        return False
+    seen: set[object] = set()
+    for g in groups:
+        ranks = g.get("ranks") if isinstance(g, dict) else None
+        if not isinstance(ranks, list) or not ranks or g.get("count") != len(ranks):
+            return False  # a group listed in part (a large world): not judged
+        lengths = {length.get(q) for q in ranks}
+        if len(lengths) != 1 or None in lengths or lengths <= seen:
+            return False
+        seen |= lengths
+    return True
 
 
 def _raised_on_running_out(u: Finding, r: Finding, short: set[int]) -> bool:
