@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import signal
@@ -100,6 +101,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="--uneven: Join(divide_by_initial_world_size=False), average over ranks not joined",
     )
     p.add_argument("--no-set-epoch", action="store_true", help="forget sampler.set_epoch()")
+    p.add_argument(
+        "--cycle",
+        action="store_true",
+        help="draw each epoch's batches from itertools.cycle(loader): pass 0 replayed",
+    )
     p.add_argument("--unsharded", action="store_true", help="RandomSampler, no sharding")
     p.add_argument("--desync-rank", type=int, default=-1, help="edit this rank's weights")
     p.add_argument("--desync-step", type=int, default=5)
@@ -340,13 +346,16 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
     loss = torch.zeros(())
     times: list[float] = []  # wall time of each step, measured by the script itself
     last = time.perf_counter()
+    # A step-count loop's habit: it keeps the first pass and replays it ever after.
+    cycled = itertools.cycle(loader) if args.cycle else None
     for epoch in range(args.epochs):
         if isinstance(sampler, DistributedSampler) and not args.no_set_epoch:
             sampler.set_epoch(epoch)
         if args.peek:
             next(iter(loader))  # a common habit: look at one batch's shape
         micro = 0
-        for xb, yb in loader:
+        batches = loader if cycled is None else itertools.islice(cycled, len(loader))
+        for xb, yb in batches:
             if device is not None:
                 xb, yb = xb.to(device), yb.to(device)
             micro += 1

@@ -35,6 +35,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.unused_search import UnusedSearchDetector
     from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
+    from ddpscope.analysis.detectors.sampling.replay import ReplayedBatchesDetector
     from ddpscope.analysis.detectors.sampling.same_batches import SameBatchesDetector
     from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
     from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
@@ -53,6 +54,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         ShardingDetector(mode, ledgers),
         SameBatchesDetector(mode, ledgers),
         WorkerCopiesDetector(mode, ledgers),
+        ReplayedBatchesDetector(mode, ledgers),
         UnevenInputsDetector(mode, ledgers),
         PaddedEvaluationDetector(mode, ledgers),
         HangDetector(mode),

@@ -37,6 +37,12 @@ round of ``k`` batches all equal and the second all equal and different
 (``worker_copies``, analysis/detectors/sampling/worker_copies.py). At most
 :data:`MAX_COMPARED` workers' batches of the first two rounds are digested
 (16 digests at most, ~30-90 us each: under 1.5 ms once a pass).
+
+A pass that runs out (``__next__`` raises ``StopIteration``) leaves
+:data:`ran_out` set until the next batch is drawn. The step tracker reads it
+with the step's draws: a loop that trains on without drawing again once its
+loader ran out is training on batches kept from that pass (``itertools.cycle``
+saves every item of its first pass and replays them: ``replayed_batches``).
 """
 
 from __future__ import annotations
@@ -92,10 +98,13 @@ PASS_ATTR = "_ddpscope_pass"
 #: loader prefetched, and the model's mode at ``iter()`` lags where an engine switches
 #: it inside its step function (ignite sets ``model.train()`` after the batch is drawn).
 drawn: Any = None
+#: The latest draw on the training thread (gradients on) raised ``StopIteration``: its
+#: pass ran out, and no batch has been drawn since.
+ran_out = False
 
 
 def _next(it: Any) -> Any:
-    global waited_ns, calls, batch_digest, drawn
+    global waited_ns, calls, batch_digest, drawn, ran_out
     run = _orig_next
     assert run is not None
     if _get_ident() != _owner or not _grad_enabled():
@@ -108,6 +117,9 @@ def _next(it: Any) -> Any:
         st.since_ns = t0
     try:
         batch = run(it)
+    except StopIteration:
+        ran_out = True
+        raise
     finally:
         t1 = _monotonic_ns()
         waited_ns += t1 - t0
@@ -116,6 +128,7 @@ def _next(it: Any) -> Any:
             st.phase = "idle"
             st.since_ns = t1
     drawn = getattr(it, PASS_ATTR, None)
+    ran_out = False
     # torch counts the batches of the current pass (reset by each iter()).
     n = getattr(it, "_num_yielded", HEAD_LIMIT + 1)
     if n <= HEAD_LIMIT:
@@ -177,11 +190,12 @@ def install(state: Any = None) -> None:
 
 def uninstall() -> None:
     """Restore torch's own ``__next__`` unless someone patched on top of ours."""
-    global _orig_next, _patched_next, _owner, _state, drawn, worker_copies
+    global _orig_next, _patched_next, _owner, _state, drawn, worker_copies, ran_out
     _owner = 0
     _state = None
     drawn = None
     worker_copies = 0
+    ran_out = False
     if _iter_class is not None and _iter_class.__dict__.get("__next__") is _patched_next:
         _iter_class.__next__ = _orig_next  # type: ignore[attr-defined]
         _orig_next = _patched_next = None
@@ -193,6 +207,7 @@ __all__ = [
     "calls",
     "drawn",
     "install",
+    "ran_out",
     "uninstall",
     "waited_ns",
     "worker_copies",

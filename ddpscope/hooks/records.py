@@ -70,6 +70,11 @@ class StepRecord(NamedTuple):
     #: when the set changed since the step before (else None).
     unused_set: int
     unused_names: tuple[str, ...] | None
+    #: Steps in a row, this one included, that drew no batch since the DataLoader pass
+    #: they last drew from ran out, and how many steps drew from it before (0, 0: the
+    #: step drew, or nothing ran out).
+    replayed: int
+    replay_of: int
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

@@ -253,6 +253,11 @@ class StepTracker:
         #: hooks/loaderwait.py's totals at the last step's close.
         self._fetch_mark = loaderwait.waited_ns
         self._calls_mark = loaderwait.calls
+        #: Steps that drew a batch since a pass last ran out in a step's draws; how many
+        #: drew up to that pass's end; steps in a row since then that drew none.
+        self._drew = 0
+        self._fed = 0
+        self._replayed = 0
         self._prev_end: int | None = None
         self._eval_start = 0
         self._fwd_start = 0
@@ -852,6 +857,16 @@ class StepTracker:
         drawn = loaderwait.drawn
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
+        if fetches:
+            self._replayed = 0
+            self._drew += 1
+            if loaderwait.ran_out:
+                self._fed, self._drew = self._drew, 0
+        elif loaderwait.ran_out and self._fed > 1:
+            # Training goes on without drawing since the pass that fed the steps ran
+            # out: on batches kept from it (itertools.cycle). One pass's worth of
+            # draws at once (a list(loader)) fed one step: left alone.
+            self._replayed += 1
         search = self.search
         search_ns, unused, unused_set, unused_names = (
             search.take(self._synced) if search is not None else _NO_SEARCH
@@ -891,6 +906,8 @@ class StepTracker:
                 unused,
                 unused_set,
                 unused_names,
+                self._replayed,
+                self._fed if self._replayed else 0,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
@@ -1112,6 +1129,9 @@ class StepTracker:
                 fields["unused_set"] = rec.unused_set
             if rec.unused_names:
                 fields["unused_names"] = list(rec.unused_names)
+        if rec.replayed:
+            fields["replayed"] = rec.replayed
+            fields["replay_of"] = rec.replay_of
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

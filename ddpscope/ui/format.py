@@ -25,6 +25,7 @@ BADGES = {
     "gradients_reduced_twice": "grads x2",
     "padded_evaluation": "eval pad",
     "worker_duplicates": "worker dup",
+    "replayed_batches": "replayed",
     "unused_parameter_search": "search",
 }
 #: The status column's width, in the ranks and the hosts views.

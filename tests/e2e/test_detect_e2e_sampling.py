@@ -1,5 +1,6 @@
 """Sampler detectors on real torchrun jobs (gloo, 2 ranks): each demo fault is named, the
-healthy habits (peeks, evaluation loaders, manual Subset shards) are not.
+healthy habits (peeks, evaluation loaders, manual Subset shards) are not, and no job but
+the cycled one replays batches.
 
 Every job trains ``demos/train.py`` on 256 samples in batches of 32 (4 steps per rank
 and epoch), records with DDPSCOPE_RECORD, and is analysed from the recording. Each
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
+from ddpscope.analysis.detectors.sampling.replay import ReplayedBatchesDetector
 from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
 from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
 from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
@@ -33,7 +35,8 @@ STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
 
 def detectors() -> list[Detector]:
     return [
-        SetEpochDetector(), ShardingDetector(), UnevenInputsDetector(), PaddedEvaluationDetector()
+        SetEpochDetector(), ShardingDetector(), UnevenInputsDetector(), PaddedEvaluationDetector(),
+        ReplayedBatchesDetector(),
     ]  # fmt: skip
 
 
@@ -93,6 +96,20 @@ def test_forgotten_set_epoch(tmp_path: Path, endpoint: str) -> None:
     assert f.evidence["same_order_ranks"] == [0, 1]
     # Seen once the first step of the repeated pass is reported: one step of latency.
     assert seen_at(recording, "missing_set_epoch") == (STEPS_PER_EPOCH + 1, "Step")
+
+
+def test_a_loader_cycled_with_itertools_replays_its_first_pass(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # set_epoch is called each epoch, but itertools.cycle never iterates the loader
+    # again: 4 steps drew, the 5th drew the end (and pass 0's first batch, kept), and
+    # from the 6th on nothing is drawn. Named once 5 more (at least 8) replayed.
+    analysis, recording = run_demo(tmp_path, endpoint, "--cycle", epochs=4)
+    f = one(analysis, "replayed_batches")
+    assert [g.kind for g in loud(analysis)] == ["replayed_batches"]
+    assert f.ranks == [0, 1] and f.step == STEPS_PER_EPOCH + 1
+    assert f.evidence["steps_drawn"] == {"0": 5, "1": 5} and f.evidence["shuffled"] is True
+    assert seen_at(recording, "replayed_batches") == (STEPS_PER_EPOCH + 1 + 8, "Step")
 
 
 def test_unsharded_random_sampler(tmp_path: Path, endpoint: str) -> None:
