@@ -281,6 +281,11 @@ class Step(Message):
     #: up to that pass's end. 0 and 0 on a step that drew, or with nothing run out.
     replayed: int = 0
     replay_of: int = 0
+    #: Every training forward of the step (gradients on) ran with the model in eval
+    #: mode; on the first such step, ``eval_layers`` names the kinds of layer that mode
+    #: changes (dropout, running statistics; at most 8, ``[]`` when none).
+    eval_mode: bool = False
+    eval_layers: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -385,6 +390,8 @@ class SamplerPass(Message):
 
 #: Step.unused_names holds at most this many names.
 MAX_UNUSED_NAMES = 16
+#: Step.eval_layers holds at most this many kinds of layer.
+MAX_EVAL_LAYERS = 8
 
 #: SamplerPassEnd.head holds at most this many of a pass's first indices.
 HEAD_LEN = 16
@@ -875,6 +882,7 @@ _LIMITS: dict[tuple[str, str], int] = {
         for f in ("c_op", "c_class", "c_group", "c_site", "c_nbytes", "c_offset_ns", "c_dur_ns")
     },
     ("step", "unused_names"): MAX_UNUSED_NAMES,
+    ("step", "eval_layers"): MAX_EVAL_LAYERS,
     ("buckets", "index"): MAX_BUCKETS,
     ("buckets", "nbytes"): MAX_BUCKETS,
     ("buckets", "dtype"): MAX_BUCKETS,

@@ -156,6 +156,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     # healthy patterns that must not raise findings
     p.add_argument("--peek", action="store_true", help="peek one batch each epoch")
     p.add_argument("--eval", action="store_true", help="evaluate on a loader each epoch")
+    p.add_argument(
+        "--no-train-mode",
+        action="store_true",
+        help="--eval without model.train() after it: later epochs train in eval mode",
+    )
     p.add_argument("--manual-shards", action="store_true", help="disjoint Subset per rank")
     p.add_argument("--checkpoint", default="", help="rank 0 saves model.module each epoch here")
     p.add_argument("--metric-allreduce", action="store_true", help="all-reduce a metric per epoch")
@@ -387,7 +392,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             times.append(now - last)
             last = now
         if args.eval:
-            _evaluate(model, loader.dataset, args.batch, device)
+            _evaluate(model, loader.dataset, args.batch, device, not args.no_train_mode)
         _epoch_end(args, rank, model, loss, epoch, loader.dataset, device)
     return step, loss, times
 
@@ -463,7 +468,7 @@ class _no_sync:
             self.model.set_requires_gradient_sync(True)
 
 
-def _evaluate(model: nn.Module, dataset: Any, batch: int, device: Any) -> None:
+def _evaluate(model: nn.Module, dataset: Any, batch: int, device: Any, train: bool) -> None:
     # An evaluation loader whose DistributedSampler never gets set_epoch():
     # its passes repeat the same order, which is fine because nothing trains.
     sampler = DistributedSampler(dataset, shuffle=False)
@@ -471,7 +476,8 @@ def _evaluate(model: nn.Module, dataset: Any, batch: int, device: Any) -> None:
     with torch.no_grad():
         for xb, _ in DataLoader(dataset, batch_size=batch, sampler=sampler):
             model(xb.to(device) if device is not None else xb)
-    model.train()
+    if train:
+        model.train()
 
 
 class _null:

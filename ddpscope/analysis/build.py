@@ -29,6 +29,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.collectives import CollectiveMismatchDetector
     from ddpscope.analysis.detectors.recipe.dataparallel import DataParallelDetector
     from ddpscope.analysis.detectors.recipe.device import DeviceDetector
+    from ddpscope.analysis.detectors.recipe.eval_mode import EvalModeDetector
     from ddpscope.analysis.detectors.recipe.global_batch import GlobalBatchDetector
     from ddpscope.analysis.detectors.recipe.manual_allreduce import ManualAllReduceDetector
     from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
@@ -66,6 +67,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         CollectiveMismatchDetector(mode),
         DataParallelDetector(mode),
         BatchNormDetector(mode),
+        EvalModeDetector(mode),
         ProcessGroupDetector(mode),
         DeviceDetector(mode),
         AccumulationDetector(mode),

@@ -75,6 +75,10 @@ class StepRecord(NamedTuple):
     #: step drew, or nothing ran out).
     replayed: int
     replay_of: int
+    #: Every training forward of the step ran with the model in eval mode, and on the
+    #: first such step the kinds of layer that mode changes (else None).
+    eval_mode: bool
+    eval_layers: tuple[str, ...] | None
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

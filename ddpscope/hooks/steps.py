@@ -64,6 +64,7 @@ import torch
 from ddpscope.hooks import backward as backward_calls
 from ddpscope.hooks import comm, loaderwait
 from ddpscope.hooks.clocks import Clock
+from ddpscope.hooks.evalmode import eval_mode_layers
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.records import Collective, Interval, StepRecord
 from ddpscope.hooks.unusedsearch import UnusedSearch
@@ -258,6 +259,9 @@ class StepTracker:
         self._drew = 0
         self._fed = 0
         self._replayed = 0
+        #: The layers eval mode changes, found at the first step trained in eval mode
+        #: (None: none such step yet).
+        self._eval_layers: tuple[str, ...] | None = None
         self._prev_end: int | None = None
         self._eval_start = 0
         self._fwd_start = 0
@@ -294,6 +298,8 @@ class StepTracker:
         self._b_start: list[int] = []
         self._b_end: list[int] = []
         self._fwd = 0
+        #: Training forwards (gradients on) of the step with the model in eval mode.
+        self._eval_fwd = 0
         self._bwd = 0
         self._synced = False
         self._opt = 0
@@ -338,6 +344,8 @@ class StepTracker:
             if getattr(module, "_divide_by_initial_world_size", True) is False:
                 comm.count_active_ranks()
         self._fwd += 1
+        if not module.training and not getattr(module, "module", module).training:
+            self._eval_fwd += 1  # model.eval() not undone: dropout off, BatchNorm frozen
         # From here a backward() call may be this model's: Lightning's manual
         # optimization calls it inside the forward.
         self.armed = True
@@ -867,6 +875,11 @@ class StepTracker:
             # out: on batches kept from it (itertools.cycle). One pass's worth of
             # draws at once (a list(loader)) fed one step: left alone.
             self._replayed += 1
+        eval_mode = self._fwd > 0 and self._eval_fwd >= self._fwd
+        eval_layers = None
+        if eval_mode and self._eval_layers is None:
+            # Once per tracker: which of the model's layers eval mode changes.
+            eval_layers = self._eval_layers = eval_mode_layers(self.model)
         search = self.search
         search_ns, unused, unused_set, unused_names = (
             search.take(self._synced) if search is not None else _NO_SEARCH
@@ -908,6 +921,8 @@ class StepTracker:
                 unused_names,
                 self._replayed,
                 self._fed if self._replayed else 0,
+                eval_mode,
+                eval_layers,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
@@ -949,7 +964,7 @@ class StepTracker:
         self._b_nbytes = []
         self._b_start = []
         self._b_end = []
-        self._fwd = self._bwd = self._opt = self._eval_ns = self._c_lost = 0
+        self._fwd = self._bwd = self._opt = self._eval_ns = self._c_lost = self._eval_fwd = 0
         self._synced = self._join = False
         self._c = []
         self._prev_end = end
@@ -1129,6 +1144,10 @@ class StepTracker:
                 fields["unused_set"] = rec.unused_set
             if rec.unused_names:
                 fields["unused_names"] = list(rec.unused_names)
+        if rec.eval_mode:
+            fields["eval_mode"] = True
+            if rec.eval_layers is not None:
+                fields["eval_layers"] = list(rec.eval_layers)
         if rec.replayed:
             fields["replayed"] = rec.replayed
             fields["replay_of"] = rec.replay_of

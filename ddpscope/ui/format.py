@@ -26,6 +26,7 @@ BADGES = {
     "padded_evaluation": "eval pad",
     "worker_duplicates": "worker dup",
     "replayed_batches": "replayed",
+    "eval_mode_training": "eval mode",
     "unused_parameter_search": "search",
 }
 #: The status column's width, in the ranks and the hosts views.

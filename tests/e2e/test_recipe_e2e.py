@@ -35,6 +35,7 @@ RECIPE_KINDS = {
     "forward_bypasses_ddp",
     "gradients_reduced_twice",
     "unused_parameter_search",
+    "eval_mode_training",
 }
 
 
@@ -374,3 +375,19 @@ def test_the_same_parameters_unused_every_step_are_named_for_static_graph(
     assert 0.01 < ev["post_forward_ms"] < ev["step_ms"]
     assert "static_graph=True" in f["fix"]
     assert serious(doc) == [], show(serious(doc))
+
+
+def test_training_on_in_eval_mode_after_an_evaluation_is_named(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # The demo evaluates its BatchNorm model at each epoch's end and, with
+    # --no-train-mode, never calls model.train() again: epochs 1 and 2 (4 steps each)
+    # train in eval mode. The healthy recipe above evaluates the same way and is silent.
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--epochs", "3", "--eval", "--batchnorm", "--no-train-mode")
+    doc = report_of(rec)
+    (f,) = of_kind(doc, "eval_mode_training")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1] and f["step"] == 4
+    assert f["evidence"]["train_steps_before"] == {"0": 4, "1": 4}
+    assert f["evidence"]["layers"] == ["BatchNorm1d"] and f["evidence"]["flipped"] is True
+    assert [g["kind"] for g in serious(doc)] == ["eval_mode_training"], show(serious(doc))
