@@ -62,6 +62,16 @@ class _Run:
     ranks: dict[int, _Rank] = field(default_factory=dict)
 
 
+def _changed(layers: list[str]) -> str:
+    """What eval mode changes in these kinds of layer, in words."""
+    said = []
+    if any("Norm" not in k for k in layers):
+        said.append("dropout is off")
+    if any("Norm" in k for k in layers):
+        said.append("normalisation uses the running statistics, which stop updating")
+    return ", and ".join(said)
+
+
 class EvalModeDetector:
     """``eval_mode_training``: training on with the model left in eval mode."""
 
@@ -123,9 +133,8 @@ class EvalModeDetector:
             )
         message = (
             f"{head} In eval mode the model's {', '.join(layers)} layers behave as at "
-            "inference: dropout is off, and BatchNorm normalises by its running statistics, "
-            "which stop updating. Nothing fails; the model learns differently from what the "
-            "recipe intends."
+            f"inference: {_changed(layers)}. Nothing fails; the model learns differently "
+            "from what the recipe intends."
         )
         book.raise_or_update(
             "eval_mode",
