@@ -386,6 +386,11 @@ class SamplerPass(Message):
     #: The sampler draws with replacement (RandomSampler or WeightedRandomSampler with
     #: ``replacement=True``): ranks drawing apart still share samples by chance.
     replacement: bool = False
+    #: The loader's layers that each keep one rank's share (hooks/ranksplits.py),
+    #: outermost first: qualified type names and the ways each splits. Two or more:
+    #: the data is split by rank twice over (``double_sharded``).
+    split_types: list[str] = field(default_factory=list)
+    split_ways: list[int] = field(default_factory=list)
 
 
 #: Step.unused_names holds at most this many names.

@@ -34,6 +34,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.recipe.manual_allreduce import ManualAllReduceDetector
     from ddpscope.analysis.detectors.recipe.process_group import ProcessGroupDetector
     from ddpscope.analysis.detectors.recipe.unused_search import UnusedSearchDetector
+    from ddpscope.analysis.detectors.sampling.double_split import DoubleShardedDetector
     from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
     from ddpscope.analysis.detectors.sampling.replay import ReplayedBatchesDetector
@@ -56,6 +57,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         SameBatchesDetector(mode, ledgers),
         WorkerCopiesDetector(mode, ledgers),
         ReplayedBatchesDetector(mode, ledgers),
+        DoubleShardedDetector(mode, ledgers),
         UnevenInputsDetector(mode, ledgers),
         PaddedEvaluationDetector(mode, ledgers),
         HangDetector(mode),

@@ -122,6 +122,7 @@ __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"
 
 from ddpscope.hooks import runinfo
 from ddpscope.hooks.loaderwait import PASS_ATTR
+from ddpscope.hooks.ranksplits import rank_splits
 from ddpscope.schema import HEAD_LEN, SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
 
@@ -629,6 +630,10 @@ class SamplerProbe:
             "batches": _length(batch_sampler) if batch_sampler is not None else expected,
             "replacement": getattr(index_sampler, "replacement", False) is True,
         }
+        splits = rank_splits(loader)
+        if splits:
+            fields["split_types"] = [name for name, _ in splits]
+            fields["split_ways"] = [ways for _, ways in splits]
         if isinstance(index_sampler, DistributedSampler):
             # getattr: a subclass may have renamed or dropped an attribute.
             def attr(name: str) -> int:

@@ -123,6 +123,26 @@ def test_every_rank_taking_the_same_batches_under_accelerate_is_named(
     assert found[0]["evidence"]["overlap"]["overlap_max"] > 0.9
 
 
+def test_a_distributed_sampler_that_accelerate_shards_again_is_named(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # Each rank's loader keeps its DistributedSampler half, and prepare() keeps every
+    # other batch of that: 8 batches an epoch instead of 16, 24 steps over 3 epochs.
+    # (Under dispatch_batches the same loader is split by DataLoaderDispatcher: named
+    # the same way, checked by hand and on a stand-in in tests/unit/test_double_sharded.)
+    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--distributed-sampler")
+    doc = report(rec)
+    (f,) = of_kind(doc, "double_sharded")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1]
+    assert f["evidence"]["layers"] == [
+        "accelerate.data_loader.BatchSamplerShard",
+        "torch.utils.data.distributed.DistributedSampler",
+    ]
+    assert f["evidence"]["share_per_rank"] == "1/4" and f["evidence"]["share_together"] == "1/2"
+    assert [g["kind"] for g in serious(doc)] == ["double_sharded"], brief(serious(doc))
+    assert all(len(ss) == 24 for ss in steps_of(rec).values())
+
+
 def test_accelerate_dispatched_batches_raise_nothing(tmp_path: Path, endpoint: str) -> None:
     # dispatch_batches=True: rank 0 alone draws each batch of 32 and scatters 16 to
     # each rank; what rank 1's loader iterates is not what it trains on.

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 
 def rank() -> int:
@@ -179,6 +179,11 @@ def accelerate_loop(args: argparse.Namespace) -> None:
             collate_fn=collate,
             num_workers=args.workers,
         )
+    elif args.distributed_sampler:
+        # The bug: a rank's DistributedSampler shard, which prepare() shards again.
+        data = Tokens(args.samples)
+        sampler = DistributedSampler(data, acc.num_processes, acc.process_index, shuffle=True)
+        loader = DataLoader(data, batch_size=args.batch, sampler=sampler, collate_fn=collate)
     else:
         loader = DataLoader(
             Tokens(args.samples), batch_size=args.batch, shuffle=True, collate_fn=collate
@@ -218,6 +223,11 @@ def main() -> None:
         "--slow-in", choices=["collate", "callback"], default="collate", help="trainer: where"
     )
     p.add_argument("--same-batches", action="store_true")
+    p.add_argument(
+        "--distributed-sampler",
+        action="store_true",
+        help="accelerate: the loader already shards by rank (prepare() shards it again)",
+    )
     p.add_argument("--dispatch", action="store_true", help="accelerate: rank 0 scatters")
     p.add_argument("--no-dispatch", action="store_true", help="accelerate: never dispatch")
     p.add_argument("--iterable", action="store_true", help="accelerate: an IterableDataset")
