@@ -391,6 +391,9 @@ class SamplerPass(Message):
     #: the data is split by rank twice over (``double_sharded``).
     split_types: list[str] = field(default_factory=list)
     split_ways: list[int] = field(default_factory=list)
+    #: Length of the innermost dataset under the Subset chain (-1: no Subset): a
+    #: per-rank Subset of ``1/num_replicas`` of it is a shard of its own.
+    base_len: int = -1
 
 
 #: Step.unused_names holds at most this many names.

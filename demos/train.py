@@ -162,6 +162,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="--eval without model.train() after it: later epochs train in eval mode",
     )
     p.add_argument("--manual-shards", action="store_true", help="disjoint Subset per rank")
+    p.add_argument(
+        "--shard-twice",
+        action="store_true",
+        help="--manual-shards under a DistributedSampler: each rank trains on 1/world of its shard",
+    )
     p.add_argument("--checkpoint", default="", help="rank 0 saves model.module each epoch here")
     p.add_argument("--metric-allreduce", action="store_true", help="all-reduce a metric per epoch")
     p.add_argument("--barrier", action="store_true", help="every rank calls barrier() per epoch")
@@ -262,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.uneven and rank == 0:
             mine = mine[: len(mine) // 2]
         dataset = torch.utils.data.Subset(dataset, mine)
-    if args.unsharded or args.manual_shards or args.uneven:
+    if args.unsharded or (args.manual_shards and not args.shard_twice) or args.uneven:
         sampler: torch.utils.data.Sampler = RandomSampler(dataset)
     else:
         seed = rank if args.seed_per_rank else args.seed

@@ -630,6 +630,8 @@ class SamplerProbe:
             "batches": _length(batch_sampler) if batch_sampler is not None else expected,
             "replacement": getattr(index_sampler, "replacement", False) is True,
         }
+        if chain:
+            fields["base_len"] = domain
         splits = rank_splits(loader)
         if splits:
             fields["split_types"] = [name for name, _ in splits]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpscope.analysis.detectors.sampling.double_split import DoubleShardedDetector
 from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
 from ddpscope.analysis.detectors.sampling.replay import ReplayedBatchesDetector
 from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
@@ -36,7 +37,7 @@ STEPS_PER_EPOCH = SAMPLES // 2 // BATCH
 def detectors() -> list[Detector]:
     return [
         SetEpochDetector(), ShardingDetector(), UnevenInputsDetector(), PaddedEvaluationDetector(),
-        ReplayedBatchesDetector(),
+        ReplayedBatchesDetector(), DoubleShardedDetector(),
     ]  # fmt: skip
 
 
@@ -164,6 +165,20 @@ def test_an_evaluation_distributedsampler_pads_is_info_with_its_duplicates(
     assert f.evidence["duplicates"] == 1 and f.evidence["dataset_len"] == 255
     # The demo builds its evaluation loader anew each epoch: one finding for both.
     assert f.evidence["passes"] == 2 and len(f.evidence["loaders"]) == 2
+
+
+def test_manual_shards_split_again_by_a_distributedsampler_are_named(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # Each rank's Subset holds its own half (128 of 256), and a DistributedSampler over
+    # it keeps half of that: 2 steps an epoch instead of 4.
+    analysis, recording = run_demo(tmp_path, endpoint, "--manual-shards", "--shard-twice")
+    f = one(analysis, "double_sharded")
+    assert [g.kind for g in loud(analysis)] == ["double_sharded"]
+    assert f.ranks == [0, 1] and f.evidence["share_per_rank"] == "1/4"
+    assert f.evidence["dataset_len"] == SAMPLES
+    # Named once both ranks' first step on their subsets showed they differ.
+    assert seen_at(recording, "double_sharded") == (1, "Step")
 
 
 def test_disjoint_manual_shards_are_healthy(tmp_path: Path, endpoint: str) -> None:

@@ -163,6 +163,34 @@ def test_a_split_of_its_own_twice_gets_the_generic_fix() -> None:
     assert f.fix != FIX_ACCELERATE and "one layer that splits by rank" in f.fix
 
 
+def subsets(world: int, digests: list[int], kept: int) -> list[Finding]:
+    """Each rank trains a pass of a DistributedSampler over a Subset of ``kept`` of the
+    N samples, whose digest is ``digests[rank]``."""
+    sim = Sim(world)
+    for r in range(world):
+        plan = dist_plan(kept, world, r, subset_depth=1, subset_digest=digests[r], base_len=N)
+        sim.epoch({r: plan}, batch=4)
+    analysis = feed(Analysis([DoubleShardedDetector()]), sim.msgs)
+    analysis.finish()
+    return findings(analysis, KIND)
+
+
+def test_each_ranks_own_subset_under_a_distributed_sampler_is_named() -> None:
+    (f,) = subsets(2, [11, 22], N // 2)
+    assert f.ranks == [0, 1] and f.step == 0
+    assert f.evidence["layers"] == [DIST, "torch.utils.data.Subset"]
+    assert f.evidence["share_per_rank"] == "1/4" and f.evidence["dataset_len"] == N
+    assert "over each rank's own Subset (1/2 of the dataset)" in f.message
+    assert "plain RandomSampler" in f.fix
+
+
+def test_a_subset_shared_by_the_ranks_or_not_a_ranks_share_is_not_named() -> None:
+    # A train split every rank shares (the same digest), e.g. half the data at 2 ranks.
+    assert subsets(2, [11, 11], N // 2) == []
+    # Subsets of their own of 80% (random_split drawn apart on each rank): not shards.
+    assert subsets(2, [11, 22], N * 4 // 5) == []
+
+
 def test_one_layer_a_one_way_layer_or_an_evaluation_is_not_named() -> None:
     assert judged(2, {"split_types": [DIST], "split_ways": [2]}) == []
     assert judged(2, {"split_types": [SHARD, DIST], "split_ways": [2, 1]}) == []

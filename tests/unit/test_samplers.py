@@ -40,7 +40,7 @@ ENVELOPE = {f.name for f in dataclasses.fields(Message)}
 PASS_FIELDS = {f.name for f in dataclasses.fields(SamplerPass)} - ENVELOPE
 END_FIELDS = {f.name for f in dataclasses.fields(SamplerPassEnd)} - ENVELOPE
 #: Fields sent only when not their default.
-OPTIONAL = {"sketch_count", "split_types", "split_ways"}
+OPTIONAL = {"sketch_count", "split_types", "split_ways", "base_len"}
 
 
 class Recorder:

@@ -30,6 +30,7 @@ from ddpscope.analysis.detectors.sampling.ledger import (
     PASS_MESSAGES,
     LedgerDetector,
     PassLedger,
+    PassRec,
 )
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
@@ -37,6 +38,8 @@ from ddpscope.analysis.wording import cap, ranks_phrase
 from ddpscope.schema import Message, SamplerPass
 
 KIND = "double_sharded"
+#: The layer a per-rank Subset makes, as the finding names it.
+SUBSET_LAYER = "torch.utils.data.Subset"
 FIX_ACCELERATE = (
     "Hand accelerate's prepare() (and the Hugging Face Trainer) a DataLoader that does not "
     "shard by rank: build it with shuffle=True or a plain sampler instead of a "
@@ -47,7 +50,8 @@ FIX_ACCELERATE = (
 FIX = (
     "Keep one layer that splits by rank: a DistributedSampler over the whole dataset, or a "
     "rank-aware sampler of your own without a DistributedSampler (or Lightning's "
-    "use_distributed_sampler) around it, or a per-rank dataset with a plain sampler."
+    "use_distributed_sampler) around it, or each rank's own Subset with a plain "
+    "RandomSampler instead of a DistributedSampler."
 )
 
 
@@ -64,6 +68,23 @@ class _Split:
 class _SplitRun:
     ledger: PassLedger
     ranks: dict[int, _Split] = field(default_factory=dict)
+    #: (loader, ordinal) -> rank -> (subset digest, the split it would be): passes over
+    #: a Subset of 1/num_replicas of its dataset under a DistributedSampler, until the
+    #: ranks' subsets are known to differ.
+    shards: dict[tuple[int, int], dict[int, tuple[int, _Split]]] = field(default_factory=dict)
+
+
+def _own_shard(b: SamplerPass) -> bool:
+    """A distributed sampler over a Subset holding 1/num_replicas of its dataset."""
+    ways = b.num_replicas
+    return (
+        b.distributed
+        and ways > 1
+        and b.subset_depth > 0
+        and b.subset_digest != 0
+        and b.base_len > 0
+        and abs(b.dataset_len * ways - b.base_len) <= ways
+    )
 
 
 def _short(qualname: str) -> str:
@@ -92,22 +113,50 @@ class DoubleShardedDetector(LedgerDetector[_SplitRun]):
             if ev.kind != "first_step" or ev.rec is None or ev.rank in st.ranks:
                 continue
             b: SamplerPass | None = ev.rec.begin
-            if b is None or sum(1 for w in b.split_ways if w > 1) < 2:
+            if b is None:
                 continue
-            st.ranks[ev.rank] = _Split(
-                step=ev.rec.first_step,
-                loader=b.loader,
-                types=list(b.split_types),
-                ways=list(b.split_ways),
-                dataset_len=b.dataset_len,
-            )
+            if sum(1 for w in b.split_ways if w > 1) >= 2:
+                st.ranks[ev.rank] = _Split(
+                    step=ev.rec.first_step,
+                    loader=b.loader,
+                    types=list(b.split_types),
+                    ways=list(b.split_ways),
+                    dataset_len=b.dataset_len,
+                )
+            elif not (_own_shard(b) and self._shard(st, ev.rank, ev.rec, b)):
+                continue
             self._publish(st, book, run.world_size or len(run.ranks))
+
+    @staticmethod
+    def _shard(st: _SplitRun, rank: int, rec: PassRec, b: SamplerPass) -> bool:
+        """Note a rank's pass over its own 1/N Subset; True once two or more ranks hold
+        such Subsets and all differ (each rank's own shard), which names them all."""
+        split = _Split(
+            step=rec.first_step,
+            loader=b.loader,
+            # The sampler's own layer, where the rank did not list its layers.
+            types=[*(b.split_types or [b.sampler_type]), SUBSET_LAYER],
+            ways=[*(b.split_ways or [b.num_replicas]), b.num_replicas],
+            dataset_len=b.base_len,
+        )
+        seen = st.shards.setdefault((b.loader, rec.ordinal), {})
+        seen[rank] = (b.subset_digest, split)
+        if len(seen) < 2 or len({digest for digest, _ in seen.values()}) < len(seen):
+            return False
+        for r, (_, each) in seen.items():
+            st.ranks.setdefault(r, each)
+        return True
 
     @staticmethod
     def _publish(st: _SplitRun, book: FindingBook, world: int) -> None:
         ranks = sorted(st.ranks)
         first = st.ranks[ranks[0]]
-        layers = [f"{_short(t)} ({w} ways)" for t, w in zip(first.types, first.ways, strict=False)]
+        layers = [
+            f"each rank's own Subset (1/{w} of the dataset)"
+            if t == SUBSET_LAYER
+            else f"{_short(t)} ({w} ways)"
+            for t, w in zip(first.types, first.ways, strict=False)
+        ]
         kept = math.prod(w for w in first.ways if w > 1)
         common = math.gcd(world, kept)
         together = f"{world // common}/{kept // common}"
