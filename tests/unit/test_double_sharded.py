@@ -21,7 +21,9 @@ from lightning_fabric.utilities.distributed import DistributedSamplerWrapper
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Sampler, TensorDataset
 
 from ddpscope.analysis.detectors.sampling.double_split import (
+    FIX,
     FIX_ACCELERATE,
+    FIX_LIGHTNING,
     KIND,
     DoubleShardedDetector,
 )
@@ -157,10 +159,18 @@ def test_a_trained_pass_split_twice_is_named_with_each_share() -> None:
     assert f.fix == FIX_ACCELERATE
 
 
-def test_a_split_of_its_own_twice_gets_the_generic_fix() -> None:
+def test_lightnings_wrapper_gets_lightnings_fix_and_a_script_sampler_its_name() -> None:
     lightning = "lightning_fabric.utilities.distributed.DistributedSamplerWrapper"
-    (f,) = judged(2, {"split_types": [lightning, "job.RankDealer"], "split_ways": [2, 2]})
-    assert f.fix != FIX_ACCELERATE and "one layer that splits by rank" in f.fix
+    (f,) = judged(2, {"split_types": [lightning, "__main__.Dealer"], "split_ways": [2, 2]})
+    assert f.fix == FIX_LIGHTNING and "use_distributed_sampler=False" in f.fix
+    assert "lightning_fabric's DistributedSamplerWrapper (2 ways) over the script's Dealer" in (
+        f.message
+    )
+
+
+def test_two_samplers_of_the_scripts_own_get_the_generic_fix() -> None:
+    (f,) = judged(2, {"split_types": [DIST, "job.RankDealer"], "split_ways": [2, 2]})
+    assert f.fix == FIX and "one layer that splits by rank" in f.fix
 
 
 def subsets(world: int, digests: list[int], kept: int) -> list[Finding]:

@@ -47,6 +47,11 @@ FIX_ACCELERATE = (
     "sampler of your own means not passing that loader through prepare() (move the batches "
     "to the device yourself)."
 )
+FIX_LIGHTNING = (
+    "A sampler of your own that already deals by rank must not be wrapped again: build the "
+    "Trainer with use_distributed_sampler=False (call its set_epoch yourself, or from a "
+    "callback), or give the loader a plain sampler and let Lightning shard it."
+)
 FIX = (
     "Keep one layer that splits by rank: a DistributedSampler over the whole dataset, or a "
     "rank-aware sampler of your own without a DistributedSampler (or Lightning's "
@@ -91,6 +96,8 @@ def _short(qualname: str) -> str:
     """``accelerate.data_loader.BatchSamplerShard`` -> ``accelerate's BatchSamplerShard``."""
     module, _, name = qualname.rpartition(".")
     top = module.split(".", 1)[0]
+    if top == "__main__":
+        return f"the script's {name}"
     return f"{top}'s {name}" if top else name
 
 
@@ -169,7 +176,12 @@ class DoubleShardedDetector(LedgerDetector[_SplitRun]):
             f"{world} ranks together on {together} of it. Nothing fails; every epoch "
             "is that much shorter than it should be."
         )
-        accelerate = any(t.startswith("accelerate.") for t in first.types)
+        if any(t.startswith("accelerate.") for t in first.types):
+            fix = FIX_ACCELERATE
+        elif any(t.startswith(("lightning", "pytorch_lightning")) for t in first.types):
+            fix = FIX_LIGHTNING
+        else:
+            fix = FIX
         book.raise_or_update(
             "double",
             Finding(
@@ -178,7 +190,7 @@ class DoubleShardedDetector(LedgerDetector[_SplitRun]):
                 ranks=ranks,
                 step=min(v.step for v in st.ranks.values()),
                 message=message,
-                fix=FIX_ACCELERATE if accelerate else FIX,
+                fix=fix,
                 evidence={
                     "loader": first.loader,
                     "layers": first.types,
