@@ -9,7 +9,10 @@ none (eval mode then changes nothing it can see) is not named
 (``eval_mode_training``).
 
 torch's own layers only: a layer of the script's own that reads
-``self.training`` cannot be told from one that does not.
+``self.training`` cannot be told from one that does not. A model with any
+such layer back in train mode (``model.eval()`` then ``model.head.train()``:
+a frozen backbone under a head that trains) is set that way on purpose, and
+names none.
 """
 
 from __future__ import annotations
@@ -38,17 +41,19 @@ def _changes(m: nn.Module) -> bool:
 
 def eval_mode_layers(model: Any) -> tuple[str, ...]:
     """Class names (each once, in model order, at most MAX_EVAL_LAYERS) of the layers in eval
-    mode whose training forward differs: dropout, running statistics."""
+    mode whose training forward differs: dropout, running statistics. None when any such
+    layer is in train mode: a model put in eval mode and then partly back in train mode
+    (a frozen backbone under a head that trains) is set that way on purpose."""
     kinds: dict[str, None] = {}
     try:
         for m in model.modules():
-            if not m.training and _changes(m):
+            if _changes(m):
+                if m.training:
+                    return ()
                 kinds.setdefault(type(m).__name__)
-                if len(kinds) >= MAX_EVAL_LAYERS:
-                    break
     except Exception:  # a module whose walk raises: name none, and so raise nothing
         return ()
-    return tuple(kinds)
+    return tuple(kinds)[:MAX_EVAL_LAYERS]
 
 
 __all__ = ["eval_mode_layers"]

@@ -95,6 +95,13 @@ def test_the_layers_eval_mode_changes_are_torchs_with_something_to_change() -> N
     assert eval_mode_layers(rnn) == ("LSTM",)
     assert eval_mode_layers(attention) == ("MultiheadAttention",)
     assert eval_mode_layers(nn.LSTM(4, 4, dropout=0.0).eval()) == ()
+    # A frozen backbone under a head put back in train mode: on purpose.
+    backbone = nn.Sequential(nn.BatchNorm1d(8), nn.Dropout(0.1))
+    head = nn.Sequential(nn.Linear(8, 2), nn.Dropout(0.1))
+    whole = nn.Sequential(backbone, head).eval()
+    assert eval_mode_layers(whole) == ("BatchNorm1d", "Dropout")
+    head.train()
+    assert eval_mode_layers(whole) == ()
 
 
 # --- the rule, over synthetic ranks ---------------------------------------------------------
