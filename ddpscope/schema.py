@@ -400,6 +400,9 @@ class SamplerPass(Message):
 MAX_UNUSED_NAMES = 16
 #: Step.eval_layers holds at most this many kinds of layer.
 MAX_EVAL_LAYERS = 8
+#: Steps in a row a rank trains without drawing, once its pass ran out, before
+#: ``replayed_batches`` can name it (and at least ``Step.replay_of``).
+REPLAY_MIN_STEPS = 8
 
 #: SamplerPassEnd.head holds at most this many of a pass's first indices.
 HEAD_LEN = 16

@@ -68,7 +68,7 @@ from ddpscope.hooks.evalmode import eval_mode_layers
 from ddpscope.hooks.publisher import Publisher
 from ddpscope.hooks.records import Collective, Interval, StepRecord
 from ddpscope.hooks.unusedsearch import UnusedSearch
-from ddpscope.schema import MAX_STEP_COLLECTIVES, BucketLayout, Step
+from ddpscope.schema import MAX_STEP_COLLECTIVES, REPLAY_MIN_STEPS, BucketLayout, Step
 
 log = logging.getLogger("ddpscope")
 #: A step's search figures for a model DDP does not search every step.
@@ -259,6 +259,8 @@ class StepTracker:
         self._drew = 0
         self._fed = 0
         self._replayed = 0
+        #: Off once a whole pass went without a draw and no itertools.cycle exists.
+        self._replay_on = True
         #: The layers eval mode changes, found at the first step trained in eval mode
         #: (None: none such step yet).
         self._eval_layers: tuple[str, ...] | None = None
@@ -870,11 +872,17 @@ class StepTracker:
             self._drew += 1
             if loaderwait.ran_out:
                 self._fed, self._drew = self._drew, 0
-        elif loaderwait.ran_out and self._fed > 1:
+        elif loaderwait.ran_out and self._fed > 1 and self._replay_on:
             # Training goes on without drawing since the pass that fed the steps ran
             # out: on batches kept from it (itertools.cycle). One pass's worth of
             # draws at once (a list(loader)) fed one step: left alone.
             self._replayed += 1
+            if self._replayed == max(self._fed, REPLAY_MIN_STEPS):
+                # A whole pass without a draw: from a cycle, or from another source
+                # than a DataLoader (asked once a run).
+                self._replay_on = loaderwait.cycle_in_process()
+                if not self._replay_on:
+                    self._replayed = 0
         eval_mode = self._fwd > 0 and self._eval_fwd >= self._fwd
         eval_layers = None
         if eval_mode and self._eval_layers is None:

@@ -32,8 +32,9 @@ from ddpscope.analysis.detectors.sampling.replay import (
 )
 from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding
+from ddpscope.hooks import loaderwait
 from ddpscope.record import open_run
-from ddpscope.schema import Step
+from ddpscope.schema import REPLAY_MIN_STEPS, Step
 from tests.support.synth import feed, findings
 from tests.unit.test_detect_same_batches import begin_stream, step_with
 from tests.unit.test_detect_sampling import Plan, Sim, dist_plan
@@ -169,31 +170,52 @@ def each_thrice(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[object
             yield from (batch,) * 3
 
 
-def replay_fields(tmp: Path, loop: Loop) -> list[tuple[int, int]]:
-    """(replayed, replay_of) of each of the STEPS steps ``loop`` feeds a DDP model."""
+def second_phase(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[object]:
+    """One pass of the loader, then batches from elsewhere (not a DataLoader)."""
+    yield from loader
+    while True:
+        yield (torch.randn(4, 4),)
+
+
+def replay_fields(tmp: Path, loop: Loop, steps: int = STEPS) -> list[tuple[int, int]]:
+    """(replayed, replay_of) of each of the ``steps`` steps ``loop`` feeds a DDP model."""
     model = DDP(nn.Linear(4, 1))
     data = TensorDataset(torch.randn(16, 4))
     loader = DataLoader(data, batch_size=4, sampler=DistributedSampler(data))
     handle = ddpscope.attach(model, record=str(tmp / "rec"))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    for (x,) in itertools.islice(loop(loader), STEPS):  # type: ignore[misc]
+    for (x,) in itertools.islice(loop(loader), steps):  # type: ignore[misc]
         model(x).sum().backward()
         opt.step()
         opt.zero_grad()
     handle.close()
-    steps = [m for m in open_run(str(tmp / "rec")).messages[0] if isinstance(m, Step)]
-    assert len(steps) == STEPS
-    return [(s.replayed, s.replay_of) for s in steps]
+    recorded = [m for m in open_run(str(tmp / "rec")).messages[0] if isinstance(m, Step)]
+    assert len(recorded) == steps
+    return [(s.replayed, s.replay_of) for s in recorded]
 
 
 @pytest.mark.usefixtures("world_of_one")
 def test_itertools_cycle_steps_count_the_steps_since_the_pass_ran_out(fresh_rank: Path) -> None:
     # 4 steps drew; the 5th drew the end (StopIteration) and cycle's first kept batch;
     # from the 6th on nothing is drawn.
-    fed = PASS + 1
-    assert replay_fields(fresh_rank, itertools.cycle) == [(0, 0)] * fed + [
-        (i, fed) for i in range(1, STEPS - fed + 1)
+    # Past 8 steps (a whole pass, and at least REPLAY_MIN_STEPS) the rank asks whether
+    # an itertools.cycle exists: it does, and the count goes on.
+    fed, steps = PASS + 1, 20
+    assert replay_fields(fresh_rank, itertools.cycle, steps) == [(0, 0)] * fed + [
+        (i, fed) for i in range(1, steps - fed + 1)
     ]
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_training_on_from_another_source_stops_counting_at_a_whole_pass(
+    fresh_rank: Path,
+) -> None:
+    # No itertools.cycle in the process: at the 8th step without a draw the count stops.
+    assert not loaderwait.cycle_in_process()
+    fed = PASS + 1
+    assert replay_fields(fresh_rank, second_phase, 20) == [(0, 0)] * fed + [
+        (i, fed) for i in range(1, REPLAY_MIN_STEPS)
+    ] + [(0, 0)] * (20 - fed - REPLAY_MIN_STEPS + 1)
 
 
 @pytest.mark.usefixtures("world_of_one")

@@ -17,7 +17,9 @@ in a row so far, and ``Step.replay_of``, the steps that drew up to the pass's
 end). A loop that re-iterates its loader (a ``for`` over it each epoch, or a
 generator that does, as most step-count loops write ``cycle``) draws again at
 once; a loop that drew a pass whole before its first step (``list(loader)``,
-a deliberate cache) is not counted by the rank.
+a deliberate cache) is not counted by the rank, nor one that trains on from a
+source that is not a DataLoader (once a whole pass went without a draw, the
+rank checks that an ``itertools.cycle`` exists, and stops counting if not).
 
 Named on a rank once a whole pass's worth of steps replayed (``replayed`` at
 least ``replay_of``, and :data:`MIN_REPLAYED`): a shorter run of steps with
@@ -44,11 +46,11 @@ from ddpscope.analysis.detectors.sampling.ledger import (
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import cap, ranks_phrase
-from ddpscope.schema import Message, Step
+from ddpscope.schema import REPLAY_MIN_STEPS, Message, Step
 
 KIND = "replayed_batches"
 #: Steps in a row replayed before a rank is named, whatever the pass's length.
-MIN_REPLAYED = 8
+MIN_REPLAYED = REPLAY_MIN_STEPS
 FIX = (
     "Iterate the DataLoader anew each time it runs out instead of itertools.cycle(loader), "
     "which saves the first pass and replays it: a generator such as `def forever(loader):` "
