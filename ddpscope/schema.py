@@ -281,6 +281,9 @@ class Step(Message):
     #: up to that pass's end. 0 and 0 on a step that drew, or with nothing run out.
     replayed: int = 0
     replay_of: int = 0
+    #: With ``replayed``: the process-wide id of the pass that ran out (as
+    #: ``loader_pass``; -1: a loader not followed, an IterableDataset's).
+    replay_pass: int = -1
     #: Every training forward of the step (gradients on) ran with the model in eval
     #: mode; on the first such step, ``eval_layers`` names the kinds of layer that mode
     #: changes (dropout, running statistics; at most 8, ``[]`` when none).

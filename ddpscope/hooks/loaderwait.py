@@ -38,11 +38,14 @@ round of ``k`` batches all equal and the second all equal and different
 :data:`MAX_COMPARED` workers' batches of the first two rounds are digested
 (16 digests at most, ~30-90 us each: under 1.5 ms once a pass).
 
-A pass that runs out (``__next__`` raises ``StopIteration``) leaves
-:data:`ran_out` set until the next batch is drawn. The step tracker reads it
-with the step's draws: a loop that trains on without drawing again once its
-loader ran out is training on batches kept from that pass (``itertools.cycle``
-saves every item of its first pass and replays them: ``replayed_batches``).
+A pass that runs out (``__next__`` raises ``StopIteration``) leaves its
+dataset in :data:`ran_out` until a batch is drawn from that dataset again (the
+loader's next pass), and counts in :data:`stops`. The step tracker reads both
+with the step's draws: a loop that trains on drawing fewer batches a step than
+before a loader ran out, and never draws from that loader again, is training on
+batches kept from its pass (``itertools.cycle`` saves every item of its first
+pass and replays them, alone or zipped beside a loader drawn anew:
+``replayed_batches``).
 A loop can also go on to train from a source that is not a DataLoader (a
 second phase on generated data); so once the steps without a draw make a
 whole pass, the step tracker asks :func:`cycle_in_process` whether an
@@ -105,13 +108,17 @@ PASS_ATTR = "_ddpscope_pass"
 #: loader prefetched, and the model's mode at ``iter()`` lags where an engine switches
 #: it inside its step function (ignite sets ``model.train()`` after the batch is drawn).
 drawn: Any = None
-#: The latest draw on the training thread (gradients on) raised ``StopIteration``: its
-#: pass ran out, and no batch has been drawn since.
-ran_out = False
+#: id() of the datasets whose pass ran out on the training thread (gradients on) and
+#: that no batch has been drawn from since; and the draws that raised StopIteration
+#: (counted in ``calls`` too), since install. Read by the step tracker.
+ran_out: set[int] = set()
+stops = 0
+#: The pass (hooks/samplers.py's record, or None: not followed) that last ran out.
+last_out: Any = None
 
 
 def _next(it: Any) -> Any:
-    global waited_ns, calls, batch_digest, drawn, ran_out
+    global waited_ns, calls, batch_digest, drawn, stops, last_out
     run = _orig_next
     assert run is not None
     if _get_ident() != _owner or not _grad_enabled():
@@ -125,7 +132,9 @@ def _next(it: Any) -> Any:
     try:
         batch = run(it)
     except StopIteration:
-        ran_out = True
+        ran_out.add(id(getattr(it, "_dataset", it)))
+        stops += 1
+        last_out = getattr(it, PASS_ATTR, None)
         raise
     finally:
         t1 = _monotonic_ns()
@@ -135,7 +144,8 @@ def _next(it: Any) -> Any:
             st.phase = "idle"
             st.since_ns = t1
     drawn = getattr(it, PASS_ATTR, None)
-    ran_out = False
+    if ran_out:
+        ran_out.discard(id(getattr(it, "_dataset", it)))  # its loader draws again
     # torch counts the batches of the current pass (reset by each iter()).
     n = getattr(it, "_num_yielded", HEAD_LIMIT + 1)
     if n <= HEAD_LIMIT:
@@ -204,12 +214,12 @@ def install(state: Any = None) -> None:
 
 def uninstall() -> None:
     """Restore torch's own ``__next__`` unless someone patched on top of ours."""
-    global _orig_next, _patched_next, _owner, _state, drawn, worker_copies, ran_out
+    global _orig_next, _patched_next, _owner, _state, drawn, worker_copies, last_out
     _owner = 0
     _state = None
-    drawn = None
+    drawn = last_out = None
     worker_copies = 0
-    ran_out = False
+    ran_out.clear()
     if _iter_class is not None and _iter_class.__dict__.get("__next__") is _patched_next:
         _iter_class.__next__ = _orig_next  # type: ignore[attr-defined]
         _orig_next = _patched_next = None
@@ -222,7 +232,9 @@ __all__ = [
     "cycle_in_process",
     "drawn",
     "install",
+    "last_out",
     "ran_out",
+    "stops",
     "uninstall",
     "waited_ns",
     "worker_copies",

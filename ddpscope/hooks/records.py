@@ -75,6 +75,8 @@ class StepRecord(NamedTuple):
     #: step drew, or nothing ran out).
     replayed: int
     replay_of: int
+    #: The process-wide id of that pass (-1: a loader the sampler probe did not follow).
+    replay_pass: int
     #: Every training forward of the step ran with the model in eval mode, and on the
     #: first such step the kinds of layer that mode changes (else None).
     eval_mode: bool

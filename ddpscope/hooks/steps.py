@@ -254,11 +254,17 @@ class StepTracker:
         #: hooks/loaderwait.py's totals at the last step's close.
         self._fetch_mark = loaderwait.waited_ns
         self._calls_mark = loaderwait.calls
-        #: Steps that drew a batch since a pass last ran out in a step's draws; how many
-        #: drew up to that pass's end; steps in a row since then that drew none.
+        #: Steps that drew since a pass last ran out; how many drew up to that pass's
+        #: end; steps in a row since then that drew fewer than ``_base``, the draws of
+        #: the last step with nothing run out (see _count_replay).
         self._drew = 0
         self._fed = 0
         self._replayed = 0
+        self._base = 0
+        #: The process-wide id of the pass that ran out (-1: a loader not followed).
+        self._replay_pass = -1
+        self._stops_mark = loaderwait.stops
+        self._out_mark = len(loaderwait.ran_out)
         #: Off once a whole pass went without a draw and no itertools.cycle exists.
         self._replay_on = True
         #: The layers eval mode changes, found at the first step trained in eval mode
@@ -867,22 +873,8 @@ class StepTracker:
         drawn = loaderwait.drawn
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
-        if fetches:
-            self._replayed = 0
-            self._drew += 1
-            if loaderwait.ran_out:
-                self._fed, self._drew = self._drew, 0
-        elif loaderwait.ran_out and self._fed > 1 and self._replay_on:
-            # Training goes on without drawing since the pass that fed the steps ran
-            # out: on batches kept from it (itertools.cycle). One pass's worth of
-            # draws at once (a list(loader)) fed one step: left alone.
-            self._replayed += 1
-            if self._replayed == max(self._fed, REPLAY_MIN_STEPS):
-                # A whole pass without a draw: from a cycle, or from another source
-                # than a DataLoader (asked once a run).
-                self._replay_on = loaderwait.cycle_in_process()
-                if not self._replay_on:
-                    self._replayed = 0
+        if self._replay_on:
+            self._count_replay(fetches)
         eval_mode = self._fwd > 0 and self._eval_fwd >= self._fwd
         eval_layers = None
         if eval_mode and self._eval_layers is None:
@@ -929,6 +921,7 @@ class StepTracker:
                 unused_names,
                 self._replayed,
                 self._fed if self._replayed else 0,
+                self._replay_pass,
                 eval_mode,
                 eval_layers,
             ),
@@ -984,6 +977,36 @@ class StepTracker:
                     self._fwd = 1  # its backwards come through DDP's forward: not bypassed
         if step >= self.notify_at:
             self.on_step_end(step)
+
+    def _count_replay(self, fetches: int) -> None:
+        """Steps in a row that draw fewer batches than before a loader ran out, with that
+        loader not drawn from since: training on batches kept from its pass."""
+        stops = loaderwait.stops
+        draws = fetches - (stops - self._stops_mark)
+        self._stops_mark = stops
+        out = len(loaderwait.ran_out)
+        grew, self._out_mark = out > self._out_mark, out
+        if not out:
+            self._replayed = 0
+            if draws:
+                self._drew += 1
+                self._base = draws
+        elif grew:
+            # A pass ran out in this step: the steps it fed. One pass's worth of draws
+            # at once (a list(loader)) fed one step: left alone.
+            self._fed, self._drew, self._replayed = self._drew + (draws > 0), 0, 0
+            out_pass = loaderwait.last_out
+            self._replay_pass = out_pass.gid if out_pass is not None else -1
+        elif draws < self._base and self._fed > 1:
+            self._replayed += 1
+            if self._replayed == max(self._fed, REPLAY_MIN_STEPS):
+                # A whole pass so: from a cycle, or from a source that is not a
+                # DataLoader (asked once a run).
+                self._replay_on = loaderwait.cycle_in_process()
+                if not self._replay_on:
+                    self._replayed = 0
+        else:
+            self._replayed = 0
 
     def _close_layout(self, step: int, b_index: list[int], end: int) -> None:
         """The bucket layout: read from DDP over the first steps, posted when it changed."""
@@ -1159,6 +1182,7 @@ class StepTracker:
         if rec.replayed:
             fields["replayed"] = rec.replayed
             fields["replay_of"] = rec.replay_of
+            fields["replay_pass"] = rec.replay_pass
         if colls:
             listed = colls[:MAX_STEP_COLLECTIVES]
             fields["c_op"] = [c[1] for c in listed]

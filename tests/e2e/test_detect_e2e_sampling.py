@@ -103,13 +103,14 @@ def test_a_loader_cycled_with_itertools_replays_its_first_pass(
     tmp_path: Path, endpoint: str
 ) -> None:
     # set_epoch is called each epoch, but itertools.cycle never iterates the loader
-    # again: 4 steps drew, the 5th drew the end (and pass 0's first batch, kept), and
-    # from the 6th on nothing is drawn. Named once 5 more (at least 8) replayed.
+    # again: 4 steps drew, the 5th drew the end (and trained on pass 0's first batch,
+    # kept), and from the 6th on nothing is drawn. Named once 8 (at least a pass's 4)
+    # replayed.
     analysis, recording = run_demo(tmp_path, endpoint, "--cycle", epochs=4)
     f = one(analysis, "replayed_batches")
     assert [g.kind for g in loud(analysis)] == ["replayed_batches"]
     assert f.ranks == [0, 1] and f.step == STEPS_PER_EPOCH + 1
-    assert f.evidence["steps_drawn"] == {"0": 5, "1": 5} and f.evidence["shuffled"] is True
+    assert f.evidence["steps_drawn"] == {"0": 4, "1": 4} and f.evidence["shuffled"] is True
     assert seen_at(recording, "replayed_batches") == (STEPS_PER_EPOCH + 1 + 8, "Step")
 
 

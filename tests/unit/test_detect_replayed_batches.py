@@ -3,9 +3,11 @@
 The rank side on a real DDP in a world of one with real DataLoaders: each step
 says how many steps in a row it drew no batch since the pass it last drew from
 ran out, and how many drew up to that end (``Step.replayed``,
-``Step.replay_of``), for ``itertools.cycle`` and for the loops that must say
-nothing (a pass per epoch, a generator that re-iterates, ``iter()`` again on
-``StopIteration``, a ``list(loader)`` cache, several steps per batch). The rule
+``Step.replay_of``), for ``itertools.cycle`` alone and zipped beside a loader
+drawn anew, and for the loops that must say nothing (a pass per epoch, a
+generator that re-iterates, ``iter()`` again on ``StopIteration``, a
+``list(loader)`` cache, several steps per batch, another loader taking over,
+another source than a DataLoader once no ``itertools.cycle`` exists). The rule
 over synthetic ranks: named once a whole pass's worth of steps replayed; a
 warning for a shuffled or streamed pass, info for a fixed order; quiet on a
 shorter tail and on steps that say nothing. A real 2-rank job:
@@ -66,7 +68,9 @@ def cycled(world: int, plans: dict[int, Plan] | None, replayed: int, ranks: set[
     for i in range(replayed):
         for r in range(world):
             if r in ranks:
-                step_with(sim, r, drawn=True, replayed=i + 1, replay_of=fed + 1)
+                # The pass that ran out: the rank's first (a stream's is not followed).
+                gid = -1 if plans is None else 0
+                step_with(sim, r, drawn=True, replayed=i + 1, replay_of=fed + 1, replay_pass=gid)
             else:
                 step_with(sim, r, drawn=True)
     return sim
@@ -90,6 +94,20 @@ def test_a_cycled_shuffled_loader_is_a_warning_once_a_whole_pass_replayed() -> N
     assert "Ranks 0, 1 train on the batches of loader 0's first pass again" in f.message
     assert "set_epoch() changes nothing" in f.message
     assert "itertools.cycle" in f.fix and "iter(loader)" in f.fix
+
+
+def test_the_loader_named_is_the_one_that_ran_out_not_the_one_drawn_beside_it() -> None:
+    # zip(loader 1, cycle(loader 0)): the steps name loader 1's pass, the last drawn.
+    sim = Sim(1)
+    sim.begin(0, 0, dist_plan(N, 1, 0, shuffle=False))
+    sim.begin(0, 1, dist_plan(N, 1, 0))
+    sim.last_pass[0] = 1
+    for _ in range(4):
+        step_with(sim, 0, drawn=True)
+    for i in range(8):
+        step_with(sim, 0, drawn=True, replayed=i + 1, replay_of=4, replay_pass=0)
+    (f,) = judged(sim)
+    assert f.evidence["loader"] == 0 and f.evidence["shuffled"] is False
 
 
 def test_less_than_a_pass_replayed_is_not_named() -> None:
@@ -164,6 +182,14 @@ def cached(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[object]:
         yield from batches
 
 
+def handed_over(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[object]:
+    """One pass of the loader, then another loader, drawn anew each round (a curriculum)."""
+    yield from loader
+    other = DataLoader(TensorDataset(torch.randn(24, 4)), batch_size=4)
+    while True:
+        yield from other
+
+
 def each_thrice(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[object]:
     while True:
         for batch in loader:
@@ -198,11 +224,34 @@ def replay_fields(tmp: Path, loop: Loop, steps: int = STEPS) -> list[tuple[int, 
 def test_itertools_cycle_steps_count_the_steps_since_the_pass_ran_out(fresh_rank: Path) -> None:
     # 4 steps drew; the 5th drew the end (StopIteration) and cycle's first kept batch;
     # from the 6th on nothing is drawn.
-    # Past 8 steps (a whole pass, and at least REPLAY_MIN_STEPS) the rank asks whether
-    # an itertools.cycle exists: it does, and the count goes on.
-    fed, steps = PASS + 1, 20
-    assert replay_fields(fresh_rank, itertools.cycle, steps) == [(0, 0)] * fed + [
-        (i, fed) for i in range(1, steps - fed + 1)
+    # 4 steps drew; the 5th drew the end (StopIteration) and trained on cycle's first
+    # kept batch; from the 6th on nothing is drawn. Past 8 such steps (a whole pass,
+    # and at least REPLAY_MIN_STEPS) the rank asks whether an itertools.cycle exists:
+    # it does, and the count goes on.
+    steps = 20
+    assert replay_fields(fresh_rank, itertools.cycle, steps) == [(0, 0)] * (PASS + 1) + [
+        (i, PASS) for i in range(1, steps - PASS)
+    ]
+
+
+def zipped(loader: DataLoader[tuple[torch.Tensor, ...]]) -> Iterator[object]:
+    """A loader of 12 batches drawn anew each round, zipped with the cycled one (as
+    semi-supervised loops pair a labelled and an unlabelled loader)."""
+    long = DataLoader(TensorDataset(torch.randn(48, 4)), batch_size=4)
+    kept = itertools.cycle(loader)
+    while True:
+        for (x,), _ in zip(long, kept, strict=False):
+            yield (x,)
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_a_cycled_loader_zipped_beside_one_drawn_anew_is_counted(fresh_rank: Path) -> None:
+    # Two draws a step while both run; the 5th step draws the long loader's batch and
+    # the cycled one's end, and the steps after draw one batch instead of two, through
+    # the long loader's own new round at step 12.
+    steps = 20
+    assert replay_fields(fresh_rank, zipped, steps) == [(0, 0)] * (PASS + 1) + [
+        (i, PASS + 1) for i in range(1, steps - PASS)
     ]
 
 
@@ -212,17 +261,16 @@ def test_training_on_from_another_source_stops_counting_at_a_whole_pass(
 ) -> None:
     # No itertools.cycle in the process: at the 8th step without a draw the count stops.
     assert not loaderwait.cycle_in_process()
-    fed = PASS + 1
-    assert replay_fields(fresh_rank, second_phase, 20) == [(0, 0)] * fed + [
-        (i, fed) for i in range(1, REPLAY_MIN_STEPS)
-    ] + [(0, 0)] * (20 - fed - REPLAY_MIN_STEPS + 1)
+    assert replay_fields(fresh_rank, second_phase, 20) == [(0, 0)] * (PASS + 1) + [
+        (i, PASS) for i in range(1, REPLAY_MIN_STEPS)
+    ] + [(0, 0)] * (20 - PASS - REPLAY_MIN_STEPS)
 
 
 @pytest.mark.usefixtures("world_of_one")
 @pytest.mark.parametrize(
     "loop",
-    [forever, reiterated, cached, each_thrice],
-    ids=["a-pass-per-round", "iter-again", "list-cache", "three-steps-a-batch"],
+    [forever, reiterated, cached, each_thrice, handed_over],
+    ids=["a-pass-per-round", "iter-again", "list-cache", "three-steps-a-batch", "handed-over"],
 )
 def test_loops_that_draw_again_or_cached_before_training_say_nothing(
     fresh_rank: Path, loop: Loop

@@ -162,6 +162,14 @@ class PassLedger:
             rp = self.ranks[r] = _RankPasses()
         return rp
 
+    def of_process_pass(self, rank: int, pass_id: int) -> PassRec | None:
+        """Rank ``rank``'s pass with the process's own id ``pass_id`` (as
+        ``Step.loader_pass`` names it), or None: unknown, or not yet placed."""
+        rp = self.ranks.get(rank)
+        if rp is None or rp.offset is None or pass_id < 0:
+            return None
+        return rp.by_gid.get(pass_id - rp.offset)
+
     def update(self, msg: Message) -> list[Event]:
         if msg is self._last:
             return self.events

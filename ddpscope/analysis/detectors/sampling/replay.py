@@ -11,15 +11,19 @@ results move (the per-epoch reshuffle they thought they had).
 The rank sees it (hooks/loaderwait.py, hooks/steps.py): every step of a loop
 that draws from a DataLoader calls its iterator's ``__next__`` on the training
 thread, and a pass that runs out raises ``StopIteration`` there. A step that
-drew nothing since the pass it last drew from ran out, after that pass fed
-steps one by one, is training on kept batches (``Step.replayed``, the steps
-in a row so far, and ``Step.replay_of``, the steps that drew up to the pass's
-end). A loop that re-iterates its loader (a ``for`` over it each epoch, or a
-generator that does, as most step-count loops write ``cycle``) draws again at
-once; a loop that drew a pass whole before its first step (``list(loader)``,
-a deliberate cache) is not counted by the rank, nor one that trains on from a
-source that is not a DataLoader (once a whole pass went without a draw, the
-rank checks that an ``itertools.cycle`` exists, and stops counting if not).
+draws fewer batches than the steps before a pass ran out, with that pass's
+loader not drawn from since, after that pass fed steps one by one, is training
+on kept batches (``Step.replayed``, the steps in a row so far, and
+``Step.replay_of``, the steps that drew up to the pass's end): the cycled
+loader alone draws nothing, zipped beside a loader drawn anew one batch a step
+instead of two. A loop that re-iterates its loader (a ``for`` over it each
+epoch, or a generator that does, as most step-count loops write ``cycle``)
+draws again at once; another loader taking over draws as many a step as
+before. A loop that drew a pass whole before its first step
+(``list(loader)``, a deliberate cache) is not counted by the rank, nor one
+that trains on from a source that is not a DataLoader (once a whole pass went
+so, the rank checks that an ``itertools.cycle`` exists, and stops counting if
+not).
 
 Named on a rank once a whole pass's worth of steps replayed (``replayed`` at
 least ``replay_of``, and :data:`MIN_REPLAYED`): a shorter run of steps with
@@ -95,12 +99,14 @@ class ReplayedBatchesDetector(LedgerDetector[_ReplayRun]):
         if not isinstance(msg, PASS_MESSAGES):
             return
         st = self._run(run.run_id)
-        events = st.ledger.update(msg)
+        st.ledger.update(msg)
         if not isinstance(msg, Step) or msg.replayed < max(msg.replay_of, MIN_REPLAYED):
             return
         if msg.rank in st.ranks:
             return  # named at the step that made a whole pass
-        rec = next((ev.rec for ev in events if ev.kind == "step"), None)
+        # The pass that ran out; not the one the step names, which, beside a loader
+        # drawn anew, is that loader's.
+        rec = st.ledger.of_process_pass(msg.rank, msg.replay_pass)
         st.ranks[msg.rank] = _Replayed(
             rank=msg.rank,
             step=msg.step - msg.replayed + 1,
@@ -127,8 +133,8 @@ class ReplayedBatchesDetector(LedgerDetector[_ReplayRun]):
         )
         message = (
             f"{cap(ranks_phrase(ranks))} train{s} on {what} again: the pass ran out after "
-            f"{first.fed} steps and the next {first.replayed} steps drew no new batch, as "
-            "itertools.cycle(loader) does (it saves every batch of the first pass and "
+            f"{first.fed} steps and the next {first.replayed} steps drew no new batch from "
+            "it, as itertools.cycle(loader) does (it saves every batch of the first pass and "
             "replays them). "
             + (
                 "The pass was drawn in a fixed order, so the data is the same; the whole pass "
