@@ -874,12 +874,18 @@ class StepTracker:
         waited, calls = loaderwait.waited_ns, loaderwait.calls
         fetches = calls - self._calls_mark
         if self._replay_on:
-            self._count_replay(fetches)
-        eval_mode = self._fwd > 0 and self._eval_fwd >= self._fwd
+            if loaderwait.ran_out or self._replayed or loaderwait.stops != self._stops_mark:
+                self._count_replay(fetches)
+            elif fetches:  # the usual step: nothing ran out, no draw raised
+                self._drew += 1
+                self._base = fetches
+        eval_mode = False
         eval_layers = None
-        if eval_mode and self._eval_layers is None:
-            # Once per tracker: which of the model's layers eval mode changes.
-            eval_layers = self._eval_layers = eval_mode_layers(self.model)
+        if self._eval_fwd:  # rare: a forward in eval mode with gradients on
+            eval_mode = self._eval_fwd >= self._fwd
+            if eval_mode and self._eval_layers is None:
+                # Once per tracker: which of the model's layers eval mode changes.
+                eval_layers = self._eval_layers = eval_mode_layers(self.model)
         search = self.search
         search_ns, unused, unused_set, unused_names = (
             search.take(self._synced) if search is not None else _NO_SEARCH
