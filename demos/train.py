@@ -47,6 +47,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--accum-without-no-sync", action="store_true", help="--accum, all-reducing each one"
     )
     p.add_argument("--skip-every", type=int, default=0, help="skip optimizer every Nth step")
+    p.add_argument(
+        "--nan-loss-step",
+        type=int,
+        default=-1,
+        help="step with a GradScaler, and from this step on a NaN loss: every step skipped",
+    )
     p.add_argument("--comm-hook", choices=["none", "fp16-before", "fp16-after"], default="none")
     p.add_argument("--no-attach", action="store_true", help="train without ddpscope.attach")
     p.add_argument("--save", default="", help="save final state_dict here (rank 0)")
@@ -358,6 +364,7 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
     last = time.perf_counter()
     # A step-count loop's habit: it keeps the first pass and replays it ever after.
     cycled = itertools.cycle(loader) if args.cycle else None
+    scaler = torch.amp.GradScaler("cpu") if args.nan_loss_step >= 0 else None
     for epoch in range(args.epochs):
         if isinstance(sampler, DistributedSampler) and not args.no_set_epoch:
             sampler.set_epoch(epoch)
@@ -374,7 +381,11 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
                     out = (_layers(model) if args.bypass_ddp else model)(xb)
                 loss = loss_fn(out.float(), yb) / args.accum
-                loss.backward()
+                if scaler is None:
+                    loss.backward()
+                else:
+                    nan = 0 <= args.nan_loss_step <= step
+                    scaler.scale(loss * float("nan") if nan else loss).backward()
             if not sync:
                 continue
             micro = 0
@@ -383,6 +394,10 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             _inject(args, rank, step, model)
             if args.skip_every and step % args.skip_every == args.skip_every - 1:
                 opt.zero_grad()  # what GradScaler does on an inf step: no optimizer.step()
+            elif scaler is not None:
+                scaler.step(opt)  # skips optimizer.step() on inf/NaN gradients
+                scaler.update()
+                opt.zero_grad(set_to_none=not args.bucket_view)
             else:
                 opt.step()
                 opt.zero_grad(set_to_none=not args.bucket_view)

@@ -43,6 +43,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.sampling.sharding import ShardingDetector
     from ddpscope.analysis.detectors.sampling.uneven import UnevenInputsDetector
     from ddpscope.analysis.detectors.sampling.worker_copies import WorkerCopiesDetector
+    from ddpscope.analysis.detectors.skipped_updates import SkippedUpdatesDetector
     from ddpscope.analysis.detectors.straggler import StragglerDetector
     from ddpscope.analysis.detectors.telemetry import TelemetryDetector
 
@@ -63,6 +64,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         HangDetector(mode),
         RankExitDetector(mode),
         TelemetryDetector(mode),
+        SkippedUpdatesDetector(mode),
         # After the hang detector: a collective mismatch names the pattern of its hang.
         GlobalBatchDetector(mode),
         CheckpointDetector(mode),

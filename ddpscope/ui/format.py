@@ -26,6 +26,7 @@ BADGES = {
     "padded_evaluation": "eval pad",
     "worker_duplicates": "worker dup",
     "replayed_batches": "replayed",
+    "optimizer_not_stepping": "no update",
     "double_sharded": "2x shard",
     "eval_mode_training": "eval mode",
     "unused_parameter_search": "search",

@@ -391,3 +391,17 @@ def test_training_on_in_eval_mode_after_an_evaluation_is_named(
     assert f["evidence"]["train_steps_before"] == {"0": 4, "1": 4}
     assert f["evidence"]["layers"] == ["BatchNorm1d"] and f["evidence"]["flipped"] is True
     assert [g["kind"] for g in serious(doc)] == ["eval_mode_training"], show(serious(doc))
+
+
+def test_a_nan_loss_that_gradscaler_skips_every_step_is_named(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # A GradScaler, and from step 8 a NaN loss: every later step all-reduces NaN
+    # gradients and GradScaler skips optimizer.step(). 48 steps: named at the 33rd skip.
+    rec = tmp_path / "rec"
+    run_job(rec, endpoint, "--batch", "8", "--epochs", "3", "--nan-loss-step", "8")
+    doc = report_of(rec)
+    (f,) = of_kind(doc, "optimizer_not_stepping")
+    assert f["severity"] == "warning" and f["active"] and f["ranks"] == [0, 1]
+    assert f["step"] == 8 and f["evidence"]["last_optimizer_step"] == {"0": 7, "1": 7}
+    assert [g["kind"] for g in serious(doc)] == ["optimizer_not_stepping"], show(serious(doc))
