@@ -377,31 +377,41 @@ def test_the_same_parameters_unused_every_step_are_named_for_static_graph(
     assert serious(doc) == [], show(serious(doc))
 
 
+@pytest.fixture(scope="module")
+def left_in_eval_and_nan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # Two independent faults in one job of 48 steps (16 an epoch): the demo evaluates
+    # its BatchNorm model at each epoch's end and never calls model.train() again
+    # (--no-train-mode: steps 16-47 train in eval mode), and steps through a GradScaler
+    # with a NaN loss from step 8 (every later update skipped). The healthy recipe
+    # above evaluates the same way and is silent.
+    tmp = tmp_path_factory.mktemp("evalnan")
+    rec = tmp / "rec"
+    flags = ["--epochs", "3", "--batch", "8", "--eval", "--batchnorm", "--no-train-mode"]
+    run_job(rec, f"ipc://{tmp}/s", *flags, "--nan-loss-step", "8")
+    return report_of(rec)
+
+
 def test_training_on_in_eval_mode_after_an_evaluation_is_named(
-    tmp_path: Path, endpoint: str
+    left_in_eval_and_nan: dict[str, Any],
 ) -> None:
-    # The demo evaluates its BatchNorm model at each epoch's end and, with
-    # --no-train-mode, never calls model.train() again: epochs 1 and 2 (4 steps each)
-    # train in eval mode. The healthy recipe above evaluates the same way and is silent.
-    rec = tmp_path / "rec"
-    run_job(rec, endpoint, "--epochs", "3", "--eval", "--batchnorm", "--no-train-mode")
-    doc = report_of(rec)
-    (f,) = of_kind(doc, "eval_mode_training")
-    assert f["severity"] == "warning" and f["ranks"] == [0, 1] and f["step"] == 4
-    assert f["evidence"]["train_steps_before"] == {"0": 4, "1": 4}
+    (f,) = of_kind(left_in_eval_and_nan, "eval_mode_training")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1] and f["step"] == 16
+    assert f["evidence"]["train_steps_before"] == {"0": 16, "1": 16}
     assert f["evidence"]["layers"] == ["BatchNorm1d"] and f["evidence"]["flipped"] is True
-    assert [g["kind"] for g in serious(doc)] == ["eval_mode_training"], show(serious(doc))
 
 
 def test_a_nan_loss_that_gradscaler_skips_every_step_is_named(
-    tmp_path: Path, endpoint: str
+    left_in_eval_and_nan: dict[str, Any],
 ) -> None:
-    # A GradScaler, and from step 8 a NaN loss: every later step all-reduces NaN
-    # gradients and GradScaler skips optimizer.step(). 48 steps: named at the 33rd skip.
-    rec = tmp_path / "rec"
-    run_job(rec, endpoint, "--batch", "8", "--epochs", "3", "--nan-loss-step", "8")
-    doc = report_of(rec)
-    (f,) = of_kind(doc, "optimizer_not_stepping")
+    # Named at the 33rd skipped step.
+    (f,) = of_kind(left_in_eval_and_nan, "optimizer_not_stepping")
     assert f["severity"] == "warning" and f["active"] and f["ranks"] == [0, 1]
     assert f["step"] == 8 and f["evidence"]["last_optimizer_step"] == {"0": 7, "1": 7}
-    assert [g["kind"] for g in serious(doc)] == ["optimizer_not_stepping"], show(serious(doc))
+
+
+def test_nothing_but_those_two_faults_is_serious(left_in_eval_and_nan: dict[str, Any]) -> None:
+    found = serious(left_in_eval_and_nan)
+    assert sorted(f["kind"] for f in found) == [
+        "eval_mode_training",
+        "optimizer_not_stepping",
+    ], show(found)
