@@ -211,6 +211,8 @@ HELPERS = {
     "recipe/setup.py",
     # The gradients' sizes, for gradients_reduced_twice and forward_bypasses_ddp.
     "recipe/grads.py",
+    # The per-rank step detectors' shell (eval_mode_training, optimizer_not_stepping).
+    "perrank.py",
     # The straggler detector's: the CPU-contention rule, its findings' figures, and
     # its windows of step ratios.
     "contention.py",

@@ -28,10 +28,10 @@ the finding is withdrawn (inactive, with the step it resumed at).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ddpscope.analysis.detectors.perrank import PerRankStepDetector
 from ddpscope.analysis.findings import Finding, FindingBook
-from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import cap, ranks_phrase
 from ddpscope.schema import Message, Step
@@ -61,38 +61,17 @@ class _Rank:
     named: bool = False
 
 
-@dataclass
-class _Run:
-    ranks: dict[int, _Rank] = field(default_factory=dict)
-
-
-class SkippedUpdatesDetector:
+class SkippedUpdatesDetector(PerRankStepDetector[_Rank]):
     """``optimizer_not_stepping``: steps that all-reduce gradients nothing applies."""
 
     kinds: tuple[str, ...] = (KIND,)
-    #: The messages observe() looks at (the engine calls it for no others).
-    observes: tuple[type, ...] = (Step,)
-
-    def __init__(self, mode: Mode = LIVE) -> None:
-        self.mode = mode
-        self._runs: dict[str, _Run] = {}
-
-    def reset(self, run_id: str) -> None:
-        self._runs.pop(run_id, None)
-
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Judged per step."""
-
-    def finish(self, run: RunState, book: FindingBook) -> None:
-        """Nothing left to judge: a rank is named at the step that makes its case."""
+    new_rank = _Rank
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step) or msg.join or msg.unsynced or msg.bypassed:
             return
-        st = self._runs.setdefault(run.run_id, _Run())
-        rk = st.ranks.get(msg.rank)
-        if rk is None:
-            rk = st.ranks[msg.rank] = _Rank()
+        st = self._ranks(run.run_id)
+        rk = self._rank(run.run_id, msg.rank)
         if msg.optimizer_steps > 0:
             rk.longest = max(rk.longest, rk.run)
             rk.stepped, rk.run, rk.last_stepped = True, 0, msg.step
@@ -110,8 +89,8 @@ class SkippedUpdatesDetector:
             self._publish(st, book)
 
     @staticmethod
-    def _publish(st: _Run, book: FindingBook) -> None:
-        named = {r: v for r, v in sorted(st.ranks.items()) if v.named}
+    def _publish(st: dict[int, _Rank], book: FindingBook) -> None:
+        named = {r: v for r, v in sorted(st.items()) if v.named}
         ranks = list(named)
         since = min(v.since for v in named.values())
         run = min(v.run for v in named.values())
@@ -142,8 +121,8 @@ class SkippedUpdatesDetector:
         )
 
     @staticmethod
-    def _withdraw(st: _Run, step: int, book: FindingBook) -> None:
-        if any(v.named for v in st.ranks.values()):
+    def _withdraw(st: dict[int, _Rank], step: int, book: FindingBook) -> None:
+        if any(v.named for v in st.values()):
             return  # another rank still skips
         f = book.get(KIND, "skipped")
         if f is None or not f.active:

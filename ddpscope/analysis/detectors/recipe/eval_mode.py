@@ -25,10 +25,10 @@ From what the ranks' step tracker reports; no torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from ddpscope.analysis.detectors.perrank import PerRankStepDetector
 from ddpscope.analysis.findings import Finding, FindingBook
-from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
 from ddpscope.analysis.wording import cap, ranks_phrase
 from ddpscope.schema import Message, Step
@@ -57,11 +57,6 @@ class _Rank:
     named: bool = False
 
 
-@dataclass
-class _Run:
-    ranks: dict[int, _Rank] = field(default_factory=dict)
-
-
 def _changed(layers: list[str]) -> str:
     """What eval mode changes in these kinds of layer, in words."""
     said = []
@@ -72,33 +67,16 @@ def _changed(layers: list[str]) -> str:
     return ", and ".join(said)
 
 
-class EvalModeDetector:
+class EvalModeDetector(PerRankStepDetector[_Rank]):
     """``eval_mode_training``: training on with the model left in eval mode."""
 
     kinds: tuple[str, ...] = (KIND,)
-    #: The messages observe() looks at (the engine calls it for no others).
-    observes: tuple[type, ...] = (Step,)
-
-    def __init__(self, mode: Mode = LIVE) -> None:
-        self.mode = mode
-        self._runs: dict[str, _Run] = {}
-
-    def reset(self, run_id: str) -> None:
-        self._runs.pop(run_id, None)
-
-    def tick(self, run: RunState, book: FindingBook) -> None:
-        """Judged per step."""
-
-    def finish(self, run: RunState, book: FindingBook) -> None:
-        """Nothing left to judge: a rank is named at the step that makes its case."""
+    new_rank = _Rank
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step):
             return
-        st = self._runs.setdefault(run.run_id, _Run())
-        rk = st.ranks.get(msg.rank)
-        if rk is None:
-            rk = st.ranks[msg.rank] = _Rank()
+        rk = self._rank(run.run_id, msg.rank)
         if not msg.eval_mode:
             rk.train_steps += 1
             rk.run = 0
@@ -110,11 +88,11 @@ class EvalModeDetector:
             rk.layers = tuple(msg.eval_layers)  # sent with the rank's first such step
         if rk.run >= MIN_EVAL_STEPS and rk.layers and not rk.named:
             rk.named = True
-            self._publish(st, book)
+            self._publish(self._ranks(run.run_id), book)
 
     @staticmethod
-    def _publish(st: _Run, book: FindingBook) -> None:
-        named = {r: v for r, v in sorted(st.ranks.items()) if v.named}
+    def _publish(ranks_seen: dict[int, _Rank], book: FindingBook) -> None:
+        named = {r: v for r, v in sorted(ranks_seen.items()) if v.named}
         ranks = list(named)
         flipped = [r for r, v in named.items() if v.before > 0]
         layers = sorted({k for v in named.values() for k in v.layers or ()})
