@@ -15,11 +15,7 @@ from torch.nn import DataParallel
 from torch.nn.parallel import DistributedDataParallel
 
 from ddpscope.hooks.target import replicate_state
-
-
-def _type_name(obj: Any) -> str:
-    cls = type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
+from ddpscope.hooks.typename import type_name
 
 
 def compiled_ddp(model: Any) -> Any:
@@ -59,7 +55,7 @@ def check_model(model: Any) -> None:
         )
     if _sharded(model):
         raise TypeError(
-            f"ddpscope.attach() got {_type_name(model)}, a fully sharded (FSDP) model: each "
+            f"ddpscope.attach() got {type_name(model)}, a fully sharded (FSDP) model: each "
             "rank holds a different shard of the weights, and ddpscope watches data-parallel "
             "replicas (DistributedDataParallel, or a module under "
             "torch.distributed._composable.replicate), whose weights are the same on every "
@@ -67,6 +63,6 @@ def check_model(model: Any) -> None:
         )
     raise TypeError(
         f"ddpscope.attach() expects a torch.nn.parallel.DistributedDataParallel model (or a "
-        f"module under torch.distributed._composable.replicate), got {_type_name(model)}. "
+        f"module under torch.distributed._composable.replicate), got {type_name(model)}. "
         "Wrap the model first: model = DistributedDataParallel(model); ddpscope.attach(model)."
     )

@@ -25,17 +25,14 @@ from typing import Any
 
 from torch.utils.data import DistributedSampler
 
+from ddpscope.hooks.typename import type_name
+
 #: Layers of samplers walked, at most.
 MAX_DEPTH = 6
 #: Frames above ``iter(loader)`` looked at for accelerate's dispatcher, at most.
 MAX_FRAMES = 12
 #: accelerate's types that shard a loader by process (matched by name: no import).
 _ACCELERATE_SHARDS = ("BatchSamplerShard", "DataLoaderDispatcher")
-
-
-def _qualname(obj: object) -> str:
-    t = type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
 
 
 def _ways(obj: Any, attr: str) -> int:
@@ -97,7 +94,7 @@ def rank_splits(loader: Any) -> list[tuple[str, int]]:
         if outer is not None:
             ways = _process_ways(outer)
             if ways > 1:
-                found.append((_qualname(outer), ways))
+                found.append((type_name(outer), ways))
         layer: Any = getattr(loader, "batch_sampler", None)
         for _ in range(MAX_DEPTH):
             if layer is None:
@@ -105,18 +102,18 @@ def rank_splits(loader: Any) -> list[tuple[str, int]]:
             if type(layer).__name__ in _ACCELERATE_SHARDS:
                 ways = _ways(layer, "num_processes")
                 if ways > 1:
-                    found.append((_qualname(layer), ways))
+                    found.append((type_name(layer), ways))
                 layer = getattr(layer, "batch_sampler", None)
                 continue
             ways = _splits_by_rank(layer)
             if ways > 1:
-                found.append((_qualname(layer), ways))
+                found.append((type_name(layer), ways))
             layer = _inner(layer)
         if not found and getattr(loader, "batch_sampler", None) is None:
             sampler = getattr(loader, "sampler", None)
             ways = _splits_by_rank(sampler)
             if ways > 1:
-                found.append((_qualname(sampler), ways))
+                found.append((type_name(sampler), ways))
     except Exception:  # a sampler whose attributes raise: what was found so far
         pass
     return found

@@ -59,6 +59,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ddpscope.hooks import compiled, pid
+from ddpscope.hooks.typename import type_name
 from ddpscope.schema import (
     COLLECTIVE_OPS,
     DDP_BUFFERS,
@@ -244,11 +245,6 @@ def batch_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[int, str
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return int(v.shape[0]), f"kwargs[{k!r}]"
     return -1, ""
-
-
-def _qualname(obj: object) -> str:
-    t = type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
 
 
 # --- the probe -----------------------------------------------------------------------
@@ -568,7 +564,7 @@ class RecipeProbe:
         fields = {
             "step": self.current_step(),
             "site": site,
-            "module": _qualname(getattr(dp, "module", None)),
+            "module": type_name(getattr(dp, "module", None)),
             "device_ids": ids,
             "inside_ddp": inside,
         }

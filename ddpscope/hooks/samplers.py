@@ -123,6 +123,7 @@ __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"
 from ddpscope.hooks import runinfo
 from ddpscope.hooks.loaderwait import PASS_ATTR
 from ddpscope.hooks.ranksplits import rank_splits
+from ddpscope.hooks.typename import type_name
 from ddpscope.schema import HEAD_LEN, SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
 
@@ -223,11 +224,6 @@ def _kept_in_range(n: int, mod: int) -> frozenset[int]:
 
 
 _pick = keep  # the Python path of the sketch rule (``mask`` is ``sketch_mod - 1``)
-
-
-def _qualname(obj: object) -> str:
-    t = type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
 
 
 def _length(obj: object) -> int:
@@ -606,11 +602,11 @@ class SamplerProbe:
             "global_pass": rec.gid,
             "step": int(self._current_step()),
             "training": bool(self._training()),
-            "sampler_type": _qualname(
+            "sampler_type": type_name(
                 index_sampler if index_sampler is not None else batch_sampler
             ),
-            "batch_sampler_type": _qualname(batch_sampler) if batch_sampler is not None else "",
-            "dataset_type": _qualname(dataset),
+            "batch_sampler_type": type_name(batch_sampler) if batch_sampler is not None else "",
+            "dataset_type": type_name(dataset),
             "dataset_len": _length(dataset),
             "expected": expected,
             "distributed": distributed,
