@@ -275,10 +275,11 @@ class Step(Message):
     #: MAX_UNUSED_NAMES, in DDP's order) on the first step of each new set.
     unused_set: int = 0
     unused_names: list[str] = field(default_factory=list)
-    #: Steps in a row, this one included, that drew no batch from a DataLoader since
-    #: the pass the rank last drew from ran out (``StopIteration``): they train on
-    #: batches kept from it (``itertools.cycle``). ``replay_of``: the steps that drew
-    #: up to that pass's end. 0 and 0 on a step that drew, or with nothing run out.
+    #: Steps in a row, this one included, that drew fewer batches from DataLoaders than
+    #: the steps before a pass ran out (``StopIteration``), that pass's loader not drawn
+    #: from since: they train on batches kept from it (``itertools.cycle``, alone or
+    #: zipped beside a loader drawn anew). ``replay_of``: the steps that drew up to that
+    #: pass's end. 0 and 0 on other steps.
     replayed: int = 0
     replay_of: int = 0
     #: With ``replayed``: the process-wide id of the pass that ran out (as

@@ -41,9 +41,10 @@ def _changes(m: nn.Module) -> bool:
 
 def eval_mode_layers(model: Any) -> tuple[str, ...]:
     """Class names (each once, in model order, at most MAX_EVAL_LAYERS) of the layers in eval
-    mode whose training forward differs: dropout, running statistics. None when any such
-    layer is in train mode: a model put in eval mode and then partly back in train mode
-    (a frozen backbone under a head that trains) is set that way on purpose."""
+    mode whose training forward differs: dropout, running statistics. None (an empty
+    tuple) when any such layer is in train mode: a model put in eval mode and then
+    partly back in train mode (a frozen backbone under a head that trains) is set that
+    way on purpose."""
     kinds: dict[str, None] = {}
     try:
         for m in model.modules():

@@ -70,9 +70,9 @@ class StepRecord(NamedTuple):
     #: when the set changed since the step before (else None).
     unused_set: int
     unused_names: tuple[str, ...] | None
-    #: Steps in a row, this one included, that drew no batch since the DataLoader pass
-    #: they last drew from ran out, and how many steps drew from it before (0, 0: the
-    #: step drew, or nothing ran out).
+    #: Steps in a row, this one included, that drew fewer batches than before a
+    #: DataLoader pass ran out whose loader was not drawn from since, and how many steps
+    #: drew up to that pass's end (0, 0 on other steps; see StepTracker._count_replay).
     replayed: int
     replay_of: int
     #: The process-wide id of that pass (-1: a loader the sampler probe did not follow).

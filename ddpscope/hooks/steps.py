@@ -876,7 +876,7 @@ class StepTracker:
         if self._replay_on:
             if loaderwait.ran_out or self._replayed or loaderwait.stops != self._stops_mark:
                 self._count_replay(fetches)
-            elif fetches:  # the usual step: nothing ran out, no draw raised
+            elif fetches:  # the usual step (nothing out, no draw raised): its first branch
                 self._drew += 1
                 self._base = fetches
         eval_mode = False

@@ -65,7 +65,6 @@ FIX = (
 
 @dataclass
 class _Replayed:
-    rank: int
     step: int
     replayed: int
     fed: int
@@ -108,7 +107,6 @@ class ReplayedBatchesDetector(LedgerDetector[_ReplayRun]):
         # drawn anew, is that loader's.
         rec = st.ledger.of_process_pass(msg.rank, msg.replay_pass)
         st.ranks[msg.rank] = _Replayed(
-            rank=msg.rank,
             step=msg.step - msg.replayed + 1,
             replayed=msg.replayed,
             fed=msg.replay_of,
@@ -119,8 +117,8 @@ class ReplayedBatchesDetector(LedgerDetector[_ReplayRun]):
 
     @staticmethod
     def _publish(st: _ReplayRun, book: FindingBook) -> None:
-        seen = sorted(st.ranks.values(), key=lambda r: r.rank)
-        ranks = [r.rank for r in seen]
+        ranks = sorted(st.ranks)
+        seen = [st.ranks[r] for r in ranks]
         first = seen[0]
         loaders = {r.loader for r in seen}
         loader = f"loader {first.loader}" if len(loaders) == 1 and first.loader >= 0 else None
@@ -156,8 +154,8 @@ class ReplayedBatchesDetector(LedgerDetector[_ReplayRun]):
                 fix=FIX,
                 evidence={
                     "loader": first.loader,
-                    "steps_drawn": {str(r.rank): r.fed for r in seen},
-                    "steps_replayed": {str(r.rank): r.replayed for r in seen},
+                    "steps_drawn": {str(r): st.ranks[r].fed for r in ranks},
+                    "steps_replayed": {str(r): st.ranks[r].replayed for r in ranks},
                     "shuffled": None if first.shuffled is None else not fixed,
                 },
             ),
