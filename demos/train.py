@@ -394,12 +394,12 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
             _inject(args, rank, step, model)
             if args.skip_every and step % args.skip_every == args.skip_every - 1:
                 opt.zero_grad()  # what GradScaler does on an inf step: no optimizer.step()
-            elif scaler is not None:
-                scaler.step(opt)  # skips optimizer.step() on inf/NaN gradients
-                scaler.update()
-                opt.zero_grad(set_to_none=not args.bucket_view)
             else:
-                opt.step()
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.step(opt)  # skips optimizer.step() on inf/NaN gradients
+                    scaler.update()
                 opt.zero_grad(set_to_none=not args.bucket_view)
             if args.loss_allreduce:
                 # Logging the mean loss over ranks, as many scripts do every step.
