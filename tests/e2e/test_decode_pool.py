@@ -74,8 +74,13 @@ def test_a_feed_decoding_in_workers_shows_what_a_feed_decoding_in_its_thread_sho
                 wire.send_raw(b"\xc1")
             wait_received(feed, len(sent) + garbage)
             snap = feed.snapshot(SnapshotRequest(buckets=True))
-            # Everything decoded has been fed: the snapshot sees every step.
-            while snap.header is None or snap.header.step < 60:
+            # Everything decoded has been fed: the snapshot sees every step, and every
+            # refusal (the workers' batches come back in their own time: the garbage,
+            # sent last, can be refused after the last step is fed).
+            deadline = time.monotonic() + 30
+            while (
+                snap.header is None or snap.header.step < 60 or snap.health.rejected < garbage
+            ) and time.monotonic() < deadline:
                 snap = feed.snapshot(SnapshotRequest(buckets=True))
         shown.append(snap)
     direct, pooled = shown
