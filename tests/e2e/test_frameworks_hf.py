@@ -40,7 +40,7 @@ WORKERS = "worker_duplicates"
 def test_hf_trainer_healthy_job_raises_nothing_despite_batch_level_sharding(
     tmp_path: Path, endpoint: str
 ) -> None:
-    rec = record(tmp_path, endpoint, HF, "--epochs", "13")
+    rec = record(tmp_path, endpoint, HF, "--epochs", "13", healthy=True)
     doc = report(rec)
     found = serious(doc)
     assert found == [], brief(found)
@@ -63,7 +63,7 @@ def test_hf_trainer_on_three_ranks_pads_its_batch_shards_and_raises_nothing(
 ) -> None:
     # 32 batches on 3 ranks: accelerate gives each 11, the last one wrapped round to
     # the first batch, so 16 samples are drawn twice by design: not overlapping shards.
-    rec = record(tmp_path, endpoint, HF, nproc=3)
+    rec = record(tmp_path, endpoint, HF, nproc=3, healthy=True)
     found = serious(report(rec))
     assert found == [], brief(found)
     steps = steps_of(rec)
@@ -72,7 +72,9 @@ def test_hf_trainer_on_three_ranks_pads_its_batch_shards_and_raises_nothing(
 
 def test_hf_trainer_callback_attaches_without_ddpscope_run(tmp_path: Path, endpoint: str) -> None:
     # With gradient_accumulation_steps=2, which the Trainer runs under no_sync().
-    rec = record(tmp_path, endpoint, HF, "--callback", "--accum", "2", zero_code=False)
+    rec = record(
+        tmp_path, endpoint, HF, "--callback", "--accum", "2", zero_code=False, healthy=True
+    )
     steps = steps_of(rec)
     assert sorted(steps) == [0, 1] and all(len(ss) == 24 for ss in steps.values())
     assert all(s.micro_batches == 2 and s.optimizer_steps == 1 for ss in steps.values() for s in ss)
@@ -146,7 +148,7 @@ def test_a_distributed_sampler_that_accelerate_shards_again_is_named(
 def test_accelerate_dispatched_batches_raise_nothing(tmp_path: Path, endpoint: str) -> None:
     # dispatch_batches=True: rank 0 alone draws each batch of 32 and scatters 16 to
     # each rank; what rank 1's loader iterates is not what it trains on.
-    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--dispatch")
+    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--dispatch", healthy=True)
     found = serious(report(rec))
     assert found == [], brief(found)
     steps = steps_of(rec)
@@ -181,7 +183,7 @@ def test_accelerate_iterable_dataset_raises_nothing(
     # Sharded, two DataLoader workers a rank, each keeping its own part of the stream.
     # (Dispatched, rank 0 reads for both ranks: with two workers of its own on this
     # 2-core VM it fell behind by 67% once, a straggler for real; kept without workers.)
-    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--iterable", *flags)
+    rec = record(tmp_path, endpoint, HF, "--api", "accelerate", "--iterable", *flags, healthy=True)
     found = serious(report(rec))
     assert found == [], brief(found)
     steps = steps_of(rec)

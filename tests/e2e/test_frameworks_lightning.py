@@ -39,7 +39,7 @@ pytestmark = [pytest.mark.frameworks, pytest.mark.torchrun]
 def test_lightning_healthy_job_raises_nothing_and_its_phases_add_up(
     tmp_path: Path, endpoint: str
 ) -> None:
-    rec = record(tmp_path, endpoint, LIGHTNING)
+    rec = record(tmp_path, endpoint, LIGHTNING, healthy=True)
     assert serious(report(rec)) == [], brief(serious(report(rec)))
     steps = steps_of(rec)
     assert sorted(steps) == [0, 1] and all(len(ss) == 24 for ss in steps.values())
@@ -54,7 +54,16 @@ def test_lightning_healthy_job_raises_nothing_and_its_phases_add_up(
 def test_lightning_sampler_replacement_and_set_epoch_are_seen_as_lightnings(
     tmp_path: Path, endpoint: str
 ) -> None:
-    rec = record(tmp_path, endpoint, LIGHTNING, "--callback", "--accumulate", "2", zero_code=False)
+    rec = record(
+        tmp_path,
+        endpoint,
+        LIGHTNING,
+        "--callback",
+        "--accumulate",
+        "2",
+        zero_code=False,
+        healthy=True,
+    )
     doc = report(rec)
     assert serious(doc) == [], brief(serious(doc))
     # Lightning accumulates under no_sync(): nothing to say about it, even as info.
@@ -79,7 +88,9 @@ def test_lightning_validation_that_distributedsampler_pads_is_info_and_nothing_e
 ) -> None:
     # 101 validation samples on 2 ranks: Lightning's DistributedSampler pads them to 102.
     # Its fetcher stops after the last batch, so each pass ends abandoned, every index drawn.
-    rec = record(tmp_path, endpoint, LIGHTNING, "--val-samples", "101", "--epochs", "2")
+    rec = record(
+        tmp_path, endpoint, LIGHTNING, "--val-samples", "101", "--epochs", "2", healthy=True
+    )
     doc = report(rec)
     assert serious(doc) == [], brief(serious(doc))
     (f,) = of_kind(doc, "padded_evaluation")
@@ -155,7 +166,9 @@ def test_a_slow_lightning_callback_is_the_ranks_own_code_not_data_loading(
 @pytest.mark.parametrize("attach", [False, True], ids=["zero-code", "attach"])
 def test_lightning_fabric_ddp_is_watched(tmp_path: Path, endpoint: str, attach: bool) -> None:
     flags = ["--attach"] if attach else []
-    rec = record(tmp_path, endpoint, str(JOBS / "fabric_job.py"), *flags, zero_code=not attach)
+    rec = record(
+        tmp_path, endpoint, str(JOBS / "fabric_job.py"), *flags, zero_code=not attach, healthy=True
+    )
     steps = steps_of(rec)
     # 512 samples, 32 per rank and step, 2 ranks, 2 epochs.
     assert sorted(steps) == [0, 1] and all(len(ss) == 16 for ss in steps.values())
