@@ -290,6 +290,18 @@ class Step(Message):
     #: changes (dropout, running statistics; at most 8, ``[]`` when none).
     eval_mode: bool = False
     eval_layers: list[str] = field(default_factory=list)
+    #: The step drew the last of a DataLoader pass's first batches, and they were the
+    #: previous pass's of that loader in the same order (a loader whose sampler does not
+    #: shuffle, whose dataset has ``set_epoch``): the qualified type of the innermost
+    #: dataset layer with ``set_epoch``; "" on other steps. ``pass_epochs``: that
+    #: layer's epoch at the previous pass and at this one, as the training process
+    #: reads it (-1: not readable); ``epoch_shared``: the epoch is kept in shared
+    #: memory, where DataLoader workers see it change; ``persistent_workers``: the
+    #: loader's workers kept across passes (0: none).
+    pass_repeat: str = ""
+    pass_epochs: list[int] = field(default_factory=list)
+    epoch_shared: bool = False
+    persistent_workers: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -898,6 +910,7 @@ _LIMITS: dict[tuple[str, str], int] = {
     },
     ("step", "unused_names"): MAX_UNUSED_NAMES,
     ("step", "eval_layers"): MAX_EVAL_LAYERS,
+    ("step", "pass_epochs"): 2,
     ("buckets", "index"): MAX_BUCKETS,
     ("buckets", "nbytes"): MAX_BUCKETS,
     ("buckets", "dtype"): MAX_BUCKETS,

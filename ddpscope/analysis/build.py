@@ -37,6 +37,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.sampling.double_split import DoubleShardedDetector
     from ddpscope.analysis.detectors.sampling.eval_padding import PaddedEvaluationDetector
     from ddpscope.analysis.detectors.sampling.ledger import PassLedgers
+    from ddpscope.analysis.detectors.sampling.repeated_epoch import RepeatedEpochDetector
     from ddpscope.analysis.detectors.sampling.replay import ReplayedBatchesDetector
     from ddpscope.analysis.detectors.sampling.same_batches import SameBatchesDetector
     from ddpscope.analysis.detectors.sampling.set_epoch import SetEpochDetector
@@ -58,6 +59,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         SameBatchesDetector(mode, ledgers),
         WorkerCopiesDetector(mode, ledgers),
         ReplayedBatchesDetector(mode, ledgers),
+        RepeatedEpochDetector(mode),
         DoubleShardedDetector(mode, ledgers),
         UnevenInputsDetector(mode, ledgers),
         PaddedEvaluationDetector(mode, ledgers),

@@ -51,6 +51,16 @@ second phase on generated data); so once the steps without a draw make a
 whole pass, the step tracker asks :func:`cycle_in_process` whether an
 ``itertools.cycle`` exists at all (one walk of the heap, ~15-30 ms at 200,000
 objects, once per run) and stops counting if not.
+
+A loader whose dataset has a ``set_epoch`` (hooks/epochlayer.py) and whose
+sampler does not shuffle (a stream's, or a sequential one) also has its
+passes' first batches compared with its previous pass's: the same digests in
+the same order mean the pass replays the last one, whatever ``set_epoch`` was
+given. The step that draws the last of them carries what was seen
+(:data:`pass_repeat`): the layer, its epoch at both passes, whether that epoch
+is shared with the workers, and the loader's persistent workers
+(``repeated_epoch``). One epoch-layer read per pass, a list append per head
+batch.
 """
 
 from __future__ import annotations
@@ -60,13 +70,16 @@ import gc
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from torch.utils.data import dataloader as _torch_dataloader
 
 from ddpscope.hooks.batchdigest import DIGEST_BATCHES, content_digest
+from ddpscope.hooks.epochlayer import EpochLayer, epoch_layer
 
 #: Batches at the head of each pass that are looked at more closely (digests, worker
 #: copies); past them a draw costs one comparison more.
@@ -115,6 +128,30 @@ ran_out: set[int] = set()
 stops = 0
 #: The pass (hooks/samplers.py's record, or None: not followed) that last ran out.
 last_out: Any = None
+#: A pass whose first batches replayed its loader's previous pass, as (epoch layer's
+#: type, its epoch at the previous pass and at this one, epoch shared with workers,
+#: persistent workers); None since the step tracker last took it (at each close).
+pass_repeat: tuple[str, int, int, bool, int] | None = None
+#: Loaders whose passes are compared, at most (a loop that builds a loader per epoch).
+MAX_FOLLOWED = 16
+_SHUFFLING = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+class _Heads:
+    """One loader's first batches: its previous pass's and the current one's."""
+
+    __slots__ = ("cur", "layer", "owner", "prev", "prev_epoch")
+
+    def __init__(self, owner: Callable[[], Any]) -> None:
+        self.owner = owner
+        self.layer: EpochLayer | None = None
+        self.prev: list[int] | None = None
+        self.prev_epoch = -1
+        self.cur: list[int] = []
+
+
+#: id() of a loader's index sampler (it lives as long as the loader) -> its heads.
+_followed: dict[int, _Heads] = {}
 
 
 def _next(it: Any) -> Any:
@@ -166,6 +203,7 @@ def _head(it: Any, n: int, batch: Any) -> None:
     digest = -1
     if n <= DIGEST_BATCHES:
         digest = batch_digest = _digest(batch)
+        _compare_pass(it, n, digest)
     k = getattr(it, "_num_workers", 0)
     if k < 2 or getattr(it, "_dataset_kind", None) != _ITERABLE:
         return
@@ -187,6 +225,52 @@ def _head(it: Any, n: int, batch: Any) -> None:
     first, second = set(heads[:m]), set(heads[m:])
     if len(first) == len(second) == 1 and first != second and 0 not in first | second:
         worker_copies = m
+
+
+def _compare_pass(it: Any, n: int, digest: int) -> None:
+    """Keep the ``n``-th of a pass's first batches; at the last, compare with the
+    loader's previous pass."""
+    global pass_repeat
+    sampler = getattr(it, "_index_sampler", None)
+    if sampler is None:
+        return
+    key = id(sampler)
+    heads = _followed.get(key)
+    if heads is not None and heads.owner() is not sampler:
+        heads = None  # a loader that is gone, its sampler's id reused
+    if n == 1:
+        heads = _start_pass(it, sampler, key, heads)
+    if heads is None or heads.layer is None or len(heads.cur) != n - 1:
+        return
+    heads.cur.append(digest)
+    cur, prev = heads.cur, heads.prev
+    if n == DIGEST_BATCHES and cur == prev and 0 not in cur and len(set(cur)) > 1:
+        layer = heads.layer
+        workers = getattr(it, "_num_workers", 0)
+        persistent = workers if getattr(it, "_persistent_workers", False) else 0
+        pass_repeat = (layer.name, heads.prev_epoch, layer.epoch, layer.shared, persistent)
+
+
+def _start_pass(it: Any, sampler: Any, key: int, heads: _Heads | None) -> _Heads | None:
+    """A pass's first batch: the loader's last pass becomes the one compared with."""
+    inner = getattr(sampler, "sampler", sampler)
+    if isinstance(inner, _SHUFFLING) or getattr(inner, "shuffle", False) is True:
+        return None  # its order is the sampler's (missing_set_epoch judges that)
+    if heads is None:
+        try:
+            owner = weakref.ref(sampler)
+        except TypeError:
+            return None
+        if len(_followed) >= MAX_FOLLOWED:
+            _followed.pop(next(iter(_followed)))
+        heads = _followed[key] = _Heads(owner)
+    layer = epoch_layer(getattr(it, "_dataset", None))
+    full = len(heads.cur) == DIGEST_BATCHES
+    heads.prev = heads.cur if full else None
+    heads.prev_epoch = heads.layer.epoch if full and heads.layer is not None else -1
+    heads.cur = []
+    heads.layer = layer
+    return heads
 
 
 def cycle_in_process() -> bool:
@@ -215,11 +299,13 @@ def install(state: Any = None) -> None:
 def uninstall() -> None:
     """Restore torch's own ``__next__`` unless someone patched on top of ours."""
     global _orig_next, _patched_next, _owner, _state, drawn, worker_copies, last_out
+    global pass_repeat
     _owner = 0
     _state = None
-    drawn = last_out = None
+    drawn = last_out = pass_repeat = None
     worker_copies = 0
     ran_out.clear()
+    _followed.clear()
     if _iter_class is not None and _iter_class.__dict__.get("__next__") is _patched_next:
         _iter_class.__next__ = _orig_next  # type: ignore[attr-defined]
         _orig_next = _patched_next = None
@@ -233,6 +319,7 @@ __all__ = [
     "drawn",
     "install",
     "last_out",
+    "pass_repeat",
     "ran_out",
     "stops",
     "uninstall",

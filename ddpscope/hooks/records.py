@@ -81,6 +81,9 @@ class StepRecord(NamedTuple):
     #: first such step the kinds of layer that mode changes (else None).
     eval_mode: bool
     eval_layers: tuple[str, ...] | None
+    #: The step drew the last of a pass's first batches, and they replayed the loader's
+    #: previous pass (hooks/loaderwait.py's ``pass_repeat``); else None.
+    pass_repeat: tuple[str, int, int, bool, int] | None
 
 
 __all__ = ["Collective", "Interval", "StepRecord"]

@@ -930,10 +930,12 @@ class StepTracker:
                 self._replay_pass,
                 eval_mode,
                 eval_layers,
+                loaderwait.pass_repeat,
             ),
         )
         self._fetch_mark, self._calls_mark = waited, calls
         loaderwait.batch_digest = loaderwait.worker_copies = 0
+        loaderwait.pass_repeat = None
         cpu = self._cpu
         pub, lane = self.pub, self._lane
         if pub.alive:  # Publisher.post, spelled out
@@ -1185,6 +1187,12 @@ class StepTracker:
             fields["eval_mode"] = True
             if rec.eval_layers is not None:
                 fields["eval_layers"] = list(rec.eval_layers)
+        if rec.pass_repeat is not None:
+            layer, before, now, shared, persistent = rec.pass_repeat
+            fields["pass_repeat"] = layer
+            fields["pass_epochs"] = [before, now]
+            fields["epoch_shared"] = shared
+            fields["persistent_workers"] = persistent
         if rec.replayed:
             fields["replayed"] = rec.replayed
             fields["replay_of"] = rec.replay_of

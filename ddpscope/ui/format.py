@@ -26,6 +26,7 @@ BADGES = {
     "padded_evaluation": "eval pad",
     "worker_duplicates": "worker dup",
     "replayed_batches": "replayed",
+    "repeated_epoch": "same epoch",
     "optimizer_not_stepping": "no update",
     "double_sharded": "2x shard",
     "eval_mode_training": "eval mode",

@@ -16,8 +16,11 @@ SGD, whose replicas differ between model averages by design (info), and a
 2-D layout on 4 ranks (DDP over data-parallel subgroups, each model-parallel
 pair with its own weights and the same shard: no desync, no shard overlap),
 and weighted draws with replacement seeded per rank (they share samples by
-chance: no shard overlap), and detectron2's endless TrainingSampler (one pass
-a run: over it every rank draws every sample; no unsharded_data).
+chance: no shard overlap), detectron2's endless TrainingSampler (one pass
+a run: over it every rank draws every sample; no unsharded_data), and a stream
+split by rank and by worker that reshuffles by its own ``set_epoch`` (workers
+forked anew each epoch). Kept persistent, that stream's workers never see the
+epoch and every epoch replays the first: ``repeated_epoch``, and nothing else.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
 
 SHAPES = [
     "zero", "twice", "unused", "gan", "save", "save-eval", "bufs", "repaug", "localsgd", "dp2d",
-    "weighted", "endless",
+    "weighted", "endless", "stream",
 ]  # fmt: skip
 
 
@@ -122,3 +125,22 @@ def test_repeated_augmentation_without_set_epoch_is_named_with_its_sampler(
     assert "the RepeatAugSampler still at epoch 0 (seed 0)" in f["message"]
     assert "identical on ranks 0, 1" in f["message"]
     assert of_kind(doc, "unsharded_data") == of_kind(doc, "shard_overlap") == []
+
+
+def test_a_streams_persistent_workers_that_never_see_set_epoch_are_named(
+    tmp_path: Path, endpoint: str
+) -> None:
+    rec = tmp_path / "rec"
+    env = job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint)
+    flags = ["--shape", "stream", "--epochs", "3", "--persistent-workers"]
+    torchrun([JOB, *flags], env=env, timeout=240, prefix=one_cpu())
+    doc = report(rec)
+    (f,) = of_kind(doc, "repeated_epoch")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1], f["message"]
+    # 32 steps an epoch; the 4th batch of the second pass is the one that matches.
+    assert f["step"] == 35, f["message"]
+    assert f["evidence"]["epochs"] == {"0": [[0, 1], [1, 2]], "1": [[0, 1], [1, 2]]}
+    assert "EpochStream.set_epoch(1) reached the training process's copy" in f["message"]
+    assert "2 persistent DataLoader workers" in f["message"]
+    others = [g for g in serious(doc) if g["kind"] != "repeated_epoch"]
+    assert others == [], brief(others)

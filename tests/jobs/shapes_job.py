@@ -32,6 +32,11 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
 - ``endless``: detectron2's TrainingSampler: no length, one pass for the whole
   run, each rank its ``rank::world`` share of one stream of seeded
   permutations (over the run every rank draws every sample);
+- ``stream``: a stream of this rank's share of the samples, split by DataLoader
+  worker (2 workers), that reshuffles by an epoch of its own, given by
+  ``set_epoch`` every epoch; with ``--persistent-workers`` its workers are kept
+  across epochs and never see that epoch (every epoch replays the first: the
+  ``repeated_epoch`` fault, not a healthy shape);
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -61,17 +66,37 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
+    IterableDataset,
     Sampler,
     TensorDataset,
     WeightedRandomSampler,
+    get_worker_info,
 )
 
 import ddpscope
 
 SHAPES = (
     "bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d", "weighted",
-    "endless",
+    "endless", "stream",
 )  # fmt: skip
+
+
+class EpochStream(IterableDataset):
+    """This rank's share of ``data``, reshuffled by an epoch of its own, split by worker."""
+
+    def __init__(self, data: TensorDataset, num_replicas: int, rank: int) -> None:
+        self.data, self.num_replicas, self.rank = data, num_replicas, rank
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(self.epoch))
+        for i in order[self.rank :: self.num_replicas][worker::workers].tolist():
+            yield self.data[i]
 
 
 class TrainingSampler(Sampler[int]):
@@ -168,6 +193,7 @@ def main() -> None:
     p.add_argument("--slow-save-s", type=float, default=0.0)
     p.add_argument("--eval-s", type=float, default=0.0)
     p.add_argument("--no-set-epoch", action="store_true", help="repaug: forget set_epoch()")
+    p.add_argument("--persistent-workers", action="store_true", help="stream: keep its workers")
     args = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -195,9 +221,15 @@ def main() -> None:
         dp_group = groups[rank % 2]
         sampler = DistributedSampler(data, num_replicas=world // 2, rank=rank // 2, seed=1)
         torch.manual_seed(100 + rank % 2)  # each pair's shards its own weights
-    loader = DataLoader(
-        data, batch_size=args.batch, sampler=draws if draws is not None else sampler
-    )
+    stream = EpochStream(data, world, rank) if args.shape == "stream" else None
+    if stream is not None:
+        loader = DataLoader(
+            stream, batch_size=args.batch, num_workers=2, persistent_workers=args.persistent_workers
+        )
+    else:
+        loader = DataLoader(
+            data, batch_size=args.batch, sampler=draws if draws is not None else sampler
+        )
     loss_fn = nn.CrossEntropyLoss()
     steps = 0
     if args.shape == "gan":
@@ -251,7 +283,9 @@ def main() -> None:
     endless = iter(loader) if args.shape == "endless" else None
     per_epoch = len(data) // world // args.batch
     for epoch in range(args.epochs):
-        if endless is None and not args.no_set_epoch:
+        if stream is not None:
+            stream.set_epoch(epoch)
+        elif endless is None and not args.no_set_epoch:
             sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         batches = loader if endless is None else (next(endless) for _ in range(per_epoch))
         for xb, yb in batches:
