@@ -910,7 +910,6 @@ _LIMITS: dict[tuple[str, str], int] = {
     },
     ("step", "unused_names"): MAX_UNUSED_NAMES,
     ("step", "eval_layers"): MAX_EVAL_LAYERS,
-    ("step", "pass_epochs"): 2,
     ("buckets", "index"): MAX_BUCKETS,
     ("buckets", "nbytes"): MAX_BUCKETS,
     ("buckets", "dtype"): MAX_BUCKETS,

@@ -20,11 +20,13 @@ from ddpscope.schema import (
     MAX_BUCKETS,
     MAX_DEPTH,
     MAX_DIMS,
+    MAX_EVAL_LAYERS,
     MAX_ITEMS,
     MAX_MESSAGE_BYTES,
     MAX_STEP_COLLECTIVES,
     MAX_STRING_BYTES,
     MAX_TENSORS,
+    MAX_UNUSED_NAMES,
     MAX_WORLD_SIZE,
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -306,6 +308,9 @@ _FIELD_CHECKS: dict[tuple[str, str], Any] = {
         ("step", f): (lambda v: _check(v, list[str], MAX_STEP_COLLECTIVES))
         for f in ("c_op", "c_class", "c_group", "c_site")
     },
+    # Step fields added after 78bf5a1 with bounds of their own, as the schema bounds them.
+    ("step", "unused_names"): lambda v: _check(v, list[str], MAX_UNUSED_NAMES),
+    ("step", "eval_layers"): lambda v: _check(v, list[str], MAX_EVAL_LAYERS),
     ("buckets", "index"): _int_list(MAX_BUCKETS),
     ("buckets", "nbytes"): _int_list(MAX_BUCKETS),
     ("buckets", "dtype"): lambda v: _check(v, list[str], MAX_BUCKETS),
