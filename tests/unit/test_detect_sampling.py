@@ -350,6 +350,35 @@ def test_missing_set_epoch_is_raised_at_the_first_step_of_the_repeated_pass() ->
     assert not analysis.detector_errors
 
 
+def test_set_epoch_called_after_each_epoch_is_info_once_the_later_passes_advance() -> None:
+    # set_epoch(epoch) at the end of each epoch: passes at epochs 0, 0, 1, 2.
+    sim = Sim(WORLD)
+    for ep in (0, 0, 1, 2):
+        sim.epoch({r: dist_plan(N, WORLD, r, epoch=ep) for r in range(WORLD)}, B)
+    analysis, at = analyse(sim.msgs, until=raised("missing_set_epoch"))
+    assert isinstance(at, Step) and at.step == 4
+    first = only(analysis, "missing_set_epoch")
+    assert first.severity == "warning"  # at the repeat nothing says set_epoch comes later
+    analysis, _ = analyse(sim.msgs)
+    f = only(analysis, "missing_set_epoch")
+    assert f.severity == "info" and f.ranks == [0, 1] and f.active
+    assert f.evidence["advanced_after_ranks"] == [0, 1]
+    assert f.evidence["repeated_epochs"] == [0]
+    assert "set_epoch() is called after each epoch instead of before it" in f.message
+    assert "before iterating" in f.fix
+
+
+def test_a_sampler_left_at_epoch_zero_after_advancing_once_stays_a_warning() -> None:
+    # Advanced once, then stuck again: more than one epoch repeats, not a late call.
+    sim = Sim(WORLD)
+    for ep in (0, 0, 1, 1):
+        sim.epoch({r: dist_plan(N, WORLD, r, epoch=ep) for r in range(WORLD)}, B)
+    analysis, _ = analyse(sim.msgs)
+    f = only(analysis, "missing_set_epoch")
+    assert f.severity == "warning" and f.evidence["repeated_epochs"] == [0, 1]
+    assert "set_epoch() was not called" in f.message
+
+
 def test_set_epoch_called_raises_nothing() -> None:
     sim = Sim(WORLD)
     ds_epochs(sim, 3)

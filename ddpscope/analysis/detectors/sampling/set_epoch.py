@@ -59,6 +59,9 @@ class _Repeat:
     signature: Any = None
     #: What the message calls the sampler.
     sampler: str = "DistributedSampler"
+    #: Ranks whose later training passes advanced the epoch after the repeat: set_epoch
+    #: is called, but after each epoch instead of before it.
+    advanced: set[int] = field(default_factory=set)
 
 
 def _same_order(a: SamplerPassEnd, b: SamplerPassEnd) -> bool | None:
@@ -107,6 +110,10 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             # (the others have no epoch); shuffle=False never does.
             return
         if (p.epoch, p.seed, p.dataset_len) != (b.epoch, b.seed, b.dataset_len):
+            rep = state.get(rec.loader)
+            if rep is not None and b.epoch > p.epoch >= rep.epoch and rec.rank in rep.ranks:
+                rep.advanced.add(rec.rank)
+                self._publish(rep, book)
             return
         rep = state.get(rec.loader)
         if rep is None:
@@ -142,7 +149,13 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
     @staticmethod
     def _publish(rep: _Repeat, book: FindingBook) -> None:
         # One update per visible change, not one per rank and epoch.
-        signature = (len(rep.ranks), len(rep.same), len(rep.differs), len(rep.epochs))
+        signature = (
+            len(rep.ranks),
+            len(rep.same),
+            len(rep.differs),
+            len(rep.epochs),
+            len(rep.advanced),
+        )
         if signature == rep.signature:
             return
         rep.signature = signature
@@ -154,6 +167,17 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             f"pass {rep.prev_pass} it trained on before, so set_epoch() was not called and the "
             f"shuffle repeats the previous epoch's order ({ranks_phrase(rep.ranks)})."
         )
+        # One epoch repeated, the passes after it advancing: set_epoch(epoch) runs at the
+        # end of each epoch, so the first two epochs share the order and no other does.
+        late = bool(rep.advanced) and len(rep.epochs) == 1
+        if late:
+            message = (
+                f"Loader {rep.loader} repeats its first epoch's order: its pass {rep.pass_id} "
+                f"began training with the {rep.sampler} still at epoch {rep.epoch}{seed}, the "
+                f"epoch of pass {rep.prev_pass} before it, and the passes after it advanced "
+                f"({ranks_phrase(rep.advanced)}): set_epoch() is called after each epoch "
+                "instead of before it, so two epochs train on one shuffle."
+            )
         if rep.same:
             message += f" The drawn orders are identical on {ranks_phrase(rep.same)}."
         if refuted:
@@ -162,11 +186,11 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
                 f"between its training passes {rep.prev_pass} and {rep.pass_id}, but the drawn "
                 f"orders differ on {ranks_phrase(rep.differs)}: this sampler reshuffles by itself."
             )
-        book.raise_or_update(
+        found = book.raise_or_update(
             f"loader{rep.loader}",
             Finding(
                 kind="missing_set_epoch",
-                severity="warning",
+                severity="info" if late and not refuted else "warning",
                 ranks=sorted(rep.ranks),
                 step=rep.first_step,
                 epoch=rep.epoch,
@@ -183,7 +207,11 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
                     "repeated_epochs": sorted(rep.epochs),
                     "same_order_ranks": sorted(rep.same),
                     "different_order_ranks": sorted(rep.differs),
+                    "advanced_after_ranks": sorted(rep.advanced),
                 },
                 active=not refuted,
             ),
         )
+        # Down as well as up: a repeat first seen as missing is late once later passes
+        # advance (raise_or_update only ever raises a severity).
+        book.set_severity(found, "info" if late and not refuted else "warning")
