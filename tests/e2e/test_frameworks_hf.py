@@ -145,6 +145,26 @@ def test_a_distributed_sampler_that_accelerate_shards_again_is_named(
     assert all(len(ss) == 24 for ss in steps_of(rec).values())
 
 
+def test_the_trainers_length_grouped_sampler_drifting_apart_across_ranks_is_named(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # train_sampling_strategy="group_by_length": the LengthGroupedSampler draws its order
+    # from the global RNG, which the ranks' dropout over batches of different lengths moves
+    # apart after the first epoch; accelerate deals each rank its batches of "one" order,
+    # and the ranks' orders differ: about half of each rank's samples are the other's too.
+    # (Its generator seeded, --seeded-sampler, the same job raised nothing by hand.)
+    rec = record(tmp_path, endpoint, HF, "--group-by-length")
+    doc = report(rec)
+    (f,) = of_kind(doc, "shard_overlap")
+    assert f["severity"] == "warning" and f["ranks"] == [0, 1], f["message"]
+    assert f["evidence"]["overlap"]["pass"] >= 1  # the first pass is disjoint
+    assert f["evidence"]["overlap"]["overlap_max"] > 0.2, f["evidence"]
+    assert "accelerate's BatchSamplerShard" in f["message"]
+    assert "seeded" in f["fix"] and "group_by_length" in f["fix"]
+    others = [g for g in serious(doc) if g["kind"] != "shard_overlap"]
+    assert others == [], brief(others)
+
+
 def test_accelerate_dispatched_batches_raise_nothing(tmp_path: Path, endpoint: str) -> None:
     # dispatch_batches=True: rank 0 alone draws each batch of 32 and scatters 16 to
     # each rank; what rank 1's loader iterates is not what it trains on.

@@ -13,6 +13,12 @@ default; with ``--no-dispatch`` each rank keeps its own batches of the stream,
 the loader is not prepared, so every rank reads the whole stream; ``--iterable
 --workers 2`` the worker one: each DataLoader worker yields the whole stream
 (``--worker-split``: each keeps its own part).
+``--group-by-length`` has the Trainer group samples of similar length
+(``train_sampling_strategy="group_by_length"``) over sequences of 4-16 tokens,
+padded per batch: its LengthGroupedSampler draws from the global RNG, which
+the ranks' dropout over batches of different lengths moves apart, so from the
+second epoch their orders differ and accelerate's batch sharding overlaps them
+(transformers 5.23); ``--seeded-sampler`` gives it a seeded generator, the fix.
 ``--uneven-batches`` is ``even_batches=False`` on a dataset whose batches do not
 split evenly: one rank trains a batch the others never run, and the job hangs
 until the 15 s collective timeout.
@@ -37,16 +43,19 @@ def rank() -> int:
 class Tokens(Dataset):
     """Random token sequences with a label that depends on them (learnable)."""
 
-    def __init__(self, n: int, seq: int = 16, vocab: int = 128) -> None:
+    def __init__(self, n: int, seq: int = 16, vocab: int = 128, varlen: bool = False) -> None:
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(1, vocab, (n, seq), generator=g)
         self.labels = (self.ids[:, 0] > vocab // 2).long()
+        #: ``varlen``: sample i keeps its first lens[i] tokens (4 to ``seq``).
+        self.lens = torch.randint(4, seq + 1, (n,), generator=g) if varlen else None
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+        ids = self.ids[i] if self.lens is None else self.ids[i, : int(self.lens[i])]
+        return {"input_ids": ids, "labels": self.labels[i]}
 
 
 class TokenStream(IterableDataset):
@@ -78,6 +87,13 @@ class SlowCollate:
     def __call__(self, items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         if self.slow_ms and rank() == self.slow_rank:
             time.sleep(self.slow_ms / 1000)
+        longest = max(len(it["input_ids"]) for it in items)
+        if any(len(it["input_ids"]) != longest for it in items):
+            ids = torch.zeros(len(items), longest, dtype=torch.long)
+            for k, it in enumerate(items):
+                ids[k, : len(it["input_ids"])] = it["input_ids"]
+            labels = torch.stack([it["labels"] for it in items])
+            return {"input_ids": ids, "attention_mask": (ids != 0).long(), "labels": labels}
         return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
 
@@ -128,11 +144,22 @@ def trainer(args: argparse.Namespace) -> None:
             ddp_backend="gloo",
             gradient_accumulation_steps=args.accum,
             seed=0,
+            train_sampling_strategy="group_by_length" if args.group_by_length else "random",
         )
-        t = Trainer(
+
+        class SeededTrainer(Trainer):
+            """The fix for --group-by-length: the sampler draws from its own generator."""
+
+            def _get_train_sampler(self, *a: Any, **kw: Any) -> Any:
+                sampler = super()._get_train_sampler(*a, **kw)
+                if args.seeded_sampler:
+                    sampler.generator = torch.Generator().manual_seed(0)  # type: ignore[union-attr]
+                return sampler
+
+        t = SeededTrainer(
             model=model(),
             args=targs,
-            train_dataset=Tokens(args.samples),
+            train_dataset=Tokens(args.samples, varlen=args.group_by_length),
             data_collator=SlowCollate(
                 args.slow_rank, args.slow_ms if args.slow_in == "collate" else 0
             ),
@@ -236,6 +263,8 @@ def main() -> None:
     p.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--sync-each-batch", action="store_true", help="accelerate: sync each one")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
+    p.add_argument("--group-by-length", action="store_true", help="trainer: length grouping")
+    p.add_argument("--seeded-sampler", action="store_true", help="--group-by-length: seeded")
     p.add_argument(
         "--uneven-batches",
         action="store_true",

@@ -1024,6 +1024,38 @@ def test_batch_level_shards_overlapping_beyond_their_padding_are_named() -> None
     assert 0 in f.ranks and 2 in f.ranks, f.ranks
 
 
+def test_batch_shards_of_orders_that_drifted_apart_are_named_with_the_shared_order_fix() -> None:
+    # Each rank's sampler drew its own order (the HF Trainer's LengthGroupedSampler on the
+    # global RNG, which the ranks' dropout moved apart) and kept its batches of it.
+    sim = Sim(2)
+    plans = {}
+    for r in range(2):
+        order = random.Random(100 + r).sample(range(512), 512)
+        mine = [i for k in range(r * 16, 512, 32) for i in order[k : k + 16]]
+        plans[r] = plain_plan(mine, 512, batch_sampler_type=SHARD, split_types=[SHARD])
+    sim.epoch(plans, 16)
+    f = only(analyse(sim.msgs)[0], "shard_overlap")
+    assert f.ranks == [0, 1]
+    assert "accelerate's BatchSamplerShard" in f.message and "theirs differ" in f.message
+    assert "seeded the same on every rank" in f.fix and "group_by_length" in f.fix
+
+
+def test_batch_shards_of_one_order_say_nothing_of_it() -> None:
+    sim = Sim(2)
+    order = random.Random(7).sample(range(512), 512)
+    plans = {
+        r: plain_plan(
+            [i for k in range(r * 16, 512, 32) for i in order[k : k + 16]],
+            512,
+            batch_sampler_type=SHARD,
+            split_types=[SHARD],
+        )
+        for r in range(2)
+    }
+    sim.epoch(plans, 16)
+    quiet(analyse(sim.msgs)[0])
+
+
 def _dp2d(sim: Sim) -> Sim:
     """Ranks of sim run DDP over data-parallel subgroups {0, 2} and {1, 3}."""
     from dataclasses import replace

@@ -103,6 +103,15 @@ FIX_RANDOM_SPLIT = (
     "ranks' training sets differ, their DistributedSampler shards overlap, and held-out samples "
     "leak into training."
 )
+FIX_SHARED_ORDER = (
+    "Give the sampler under accelerate's batch sharding a generator seeded the same on every "
+    "rank (`torch.Generator().manual_seed(S)`): every rank must draw one order and keep its "
+    "own batches of it. A sampler that draws from the global RNG drifts apart across ranks as "
+    "soon as their other random draws differ (dropout over batches of different lengths). The "
+    'Hugging Face Trainer\'s `train_sampling_strategy="group_by_length"` builds its '
+    "LengthGroupedSampler that way: override `Trainer._get_train_sampler` to pass it a seeded "
+    '`generator`, or use the default `"random"` strategy.'
+)
 FIX_SAME_DATASET = (
     "Build the same dataset on every rank before DistributedSampler shards it: it partitions "
     "the indices 0..N-1, which only works when N and the data are the same everywhere."
@@ -386,6 +395,13 @@ class ShardingDetector(LedgerDetector[_ShardRun]):
             )
             evidence["subset_index_lists"] = split
             fix = FIX_RANDOM_SPLIT
+        elif _batch_sharded(union):
+            text += (
+                "; the loader deals the batches of one order out to the ranks (accelerate's "
+                "BatchSamplerShard), which needs every rank's sampler to draw that same order, "
+                "and theirs differ"
+            )
+            fix = FIX_SHARED_ORDER
         issue = st.issues.get((kind, rec.loader))
         seen = issue.causes.get("measured") if issue is not None else None
         if (
@@ -534,6 +550,16 @@ def _split_differs(union: SketchUnion) -> int:
         if rec.begin is not None and rec.begin.subset_depth > 0 and rec.begin.subset_digest
     }
     return len(digests) if len(digests) > 1 else 0
+
+
+def _batch_sharded(union: SketchUnion) -> bool:
+    """The compared passes keep each rank's batches of one order (accelerate's
+    BatchSamplerShard over a sampler that is not distributed)."""
+    begins = [rec.begin for rec in union.recs.values() if rec.begin is not None]
+    return bool(begins) and all(
+        not b.distributed and any(t.endswith(".BatchSamplerShard") for t in b.split_types)
+        for b in begins
+    )
 
 
 def _sampler_groups(begins: dict[int, SamplerPass]) -> list[dict[str, Any]]:
