@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from ddpscope.hooks import loaderwait
 from ddpscope.hooks.epochlayer import EpochLayer, epoch_layer
+from tests.support.epochpasses import drawing, repeats
 
 
 class Stream(IterableDataset):
@@ -43,23 +43,10 @@ class Stream(IterableDataset):
             yield torch.full((3,), float(i))
 
 
-@pytest.fixture
-def drawing() -> Iterator[None]:
-    loaderwait.install()
-    loaderwait.pass_repeat = None
-    yield
-    loaderwait.uninstall()
-
-
-def repeats(loader: DataLoader, dataset: Stream, passes: int = 3) -> list[object]:
-    seen = []
-    for epoch in range(passes):
-        dataset.set_epoch(epoch)
-        for _ in loader:
-            pass
-        seen.append(loaderwait.pass_repeat)
-        loaderwait.pass_repeat = None  # the step's close takes it
-    return seen
+@pytest.fixture(name="drawing")
+def _drawing() -> Iterator[None]:
+    with drawing():
+        yield
 
 
 @pytest.mark.usefixtures("drawing")

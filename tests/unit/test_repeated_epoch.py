@@ -28,6 +28,7 @@ from ddpscope.analysis.engine import Analysis
 from ddpscope.analysis.findings import Finding
 from ddpscope.hooks import loaderwait
 from ddpscope.hooks.epochlayer import EpochLayer, epoch_layer
+from tests.support.epochpasses import drawing, repeats
 from tests.support.synth import feed, findings, run_infos, step_at
 
 RUN = "r"
@@ -102,25 +103,10 @@ def test_an_epoch_in_a_shared_tensor_is_said_to_be_shared() -> None:
     assert epoch_layer(tensor) == EpochLayer(f"{__name__}.SharedTensor", 4, True)
 
 
-@pytest.fixture
-def drawing() -> Iterator[None]:
-    """This thread draws as a training loop does, with the comparison installed."""
-    loaderwait.install()
-    loaderwait.pass_repeat = None
-    yield
-    loaderwait.uninstall()
-
-
-def repeats(loader: DataLoader, dataset: object, passes: int = 3) -> list[object]:
-    """What each pass's 4th batch left in ``pass_repeat``, set_epoch called before each."""
-    seen = []
-    for epoch in range(passes):
-        dataset.set_epoch(epoch)  # type: ignore[attr-defined]
-        for _ in loader:
-            pass
-        seen.append(loaderwait.pass_repeat)
-        loaderwait.pass_repeat = None
-    return seen
+@pytest.fixture(name="drawing")
+def _drawing() -> Iterator[None]:
+    with drawing():
+        yield
 
 
 @pytest.mark.usefixtures("drawing")
