@@ -75,11 +75,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils.data import RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 from torch.utils.data import dataloader as _torch_dataloader
 
 from ddpscope.hooks.batchdigest import DIGEST_BATCHES, content_digest
 from ddpscope.hooks.epochlayer import EpochLayer, epoch_layer
+from ddpscope.hooks.shuffling import shuffles
 
 #: Batches at the head of each pass that are looked at more closely (digests, worker
 #: copies); past them a draw costs one comparison more.
@@ -134,7 +134,6 @@ last_out: Any = None
 pass_repeat: tuple[str, int, int, bool, int] | None = None
 #: Loaders whose passes are compared, at most (a loop that builds a loader per epoch).
 MAX_FOLLOWED = 16
-_SHUFFLING = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 class _Heads:
@@ -253,8 +252,7 @@ def _compare_pass(it: Any, n: int, digest: int) -> None:
 
 def _start_pass(it: Any, sampler: Any, key: int, heads: _Heads | None) -> _Heads | None:
     """A pass's first batch: the loader's last pass becomes the one compared with."""
-    inner = getattr(sampler, "sampler", sampler)
-    if isinstance(inner, _SHUFFLING) or getattr(inner, "shuffle", False) is True:
+    if shuffles(getattr(sampler, "sampler", sampler)):
         return None  # its order is the sampler's (missing_set_epoch judges that)
     if heads is None:
         try:

@@ -113,8 +113,6 @@ from torch.utils.data import (
     RandomSampler,
     SequentialSampler,
     Subset,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
 )
 from torch.utils.data import dataloader as _torch_dataloader
 
@@ -123,6 +121,7 @@ __all__ = ["HEAD_LEN", "SamplerProbe", "mix64", "padded_count", "sketch_mod_for"
 from ddpscope.hooks import runinfo
 from ddpscope.hooks.loaderwait import PASS_ATTR
 from ddpscope.hooks.ranksplits import rank_splits
+from ddpscope.hooks.shuffling import shuffles
 from ddpscope.hooks.typename import type_name
 from ddpscope.schema import HEAD_LEN, SamplerPass, SamplerPassEnd
 from ddpscope.sketch import C1, C2, GOLDEN, M64, keep, mix64
@@ -614,10 +613,7 @@ class SamplerProbe:
             "seed": -1,
             "num_replicas": -1,
             "sampler_rank": -1,
-            "shuffle": isinstance(
-                index_sampler, RandomSampler | SubsetRandomSampler | WeightedRandomSampler
-            )
-            or getattr(index_sampler, "shuffle", False) is True,
+            "shuffle": shuffles(index_sampler),
             "drop_last": bool(getattr(batch_sampler, "drop_last", False)),
             "padded": 0,
             "subset_depth": len(chain),

@@ -67,7 +67,7 @@ def _stale(msg: Step) -> bool:
     if len(msg.pass_epochs) != 2:
         return False
     before, after = msg.pass_epochs
-    return 0 <= before != after >= 0
+    return before >= 0 and after >= 0 and before != after
 
 
 class RepeatedEpochDetector(PerRankStepDetector[_Rank]):

@@ -109,13 +109,12 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             # Only DistributedSampler and samplers built like it reshuffle by epoch
             # (the others have no epoch); shuffle=False never does.
             return
+        rep = state.get(rec.loader)
         if (p.epoch, p.seed, p.dataset_len) != (b.epoch, b.seed, b.dataset_len):
-            rep = state.get(rec.loader)
             if rep is not None and b.epoch > p.epoch >= rep.epoch and rec.rank in rep.ranks:
                 rep.advanced.add(rec.rank)
                 self._publish(rep, book)
             return
-        rep = state.get(rec.loader)
         if rep is None:
             rep = state[rec.loader] = _Repeat(
                 rec.loader, rec.first_step, b.epoch, b.seed, prev.pass_id, rec.pass_id, prev.steps
@@ -170,6 +169,7 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
         # One epoch repeated, the passes after it advancing: set_epoch(epoch) runs at the
         # end of each epoch, so the first two epochs share the order and no other does.
         late = bool(rep.advanced) and len(rep.epochs) == 1
+        severity = "info" if late and not refuted else "warning"
         if late:
             message = (
                 f"Loader {rep.loader} repeats its first epoch's order: its pass {rep.pass_id} "
@@ -190,7 +190,7 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
             f"loader{rep.loader}",
             Finding(
                 kind="missing_set_epoch",
-                severity="info" if late and not refuted else "warning",
+                severity=severity,
                 ranks=sorted(rep.ranks),
                 step=rep.first_step,
                 epoch=rep.epoch,
@@ -214,4 +214,4 @@ class SetEpochDetector(LedgerDetector[_EpochRun]):
         )
         # Down as well as up: a repeat first seen as missing is late once later passes
         # advance (raise_or_update only ever raises a severity).
-        book.set_severity(found, "info" if late and not refuted else "warning")
+        book.set_severity(found, severity)
