@@ -461,6 +461,8 @@ class Fingerprint(Message):
     params: list[int]
     buffers: list[int]
     cost_ns: int
+    #: Indices into RunInfo.params of the parameters holding a NaN or an inf.
+    nonfinite: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

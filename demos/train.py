@@ -115,6 +115,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unsharded", action="store_true", help="RandomSampler, no sharding")
     p.add_argument("--desync-rank", type=int, default=-1, help="edit this rank's weights")
     p.add_argument("--desync-step", type=int, default=5)
+    p.add_argument("--nan-sample-rank", type=int, default=-1, help="feed this rank a NaN ...")
+    p.add_argument("--nan-sample-step", type=int, default=5, help="... at this step (no scaler)")
     p.add_argument("--kill-rank", type=int, default=-1, help="SIGKILL this rank ...")
     p.add_argument(
         "--abort-rank", type=int, default=-1, help="abort this rank at --kill-step (native crash)"
@@ -377,6 +379,9 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
                 xb, yb = xb.to(device), yb.to(device)
             micro += 1
             sync = micro == args.accum
+            if rank == args.nan_sample_rank and step == args.nan_sample_step:
+                xb = xb.clone()  # one corrupt sample in the batch, as a bad record would be
+                xb.view(-1)[0] = float("nan")
             with _null() if sync or args.accum_without_no_sync else _no_sync(model):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.autocast):
                     out = (_layers(model) if args.bypass_ddp else model)(xb)

@@ -21,6 +21,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
     from ddpscope.analysis.detectors.desync import DesyncDetector
     from ddpscope.analysis.detectors.hang import HangDetector
     from ddpscope.analysis.detectors.hparams import HyperparamDetector
+    from ddpscope.analysis.detectors.nonfinite import NonFiniteWeightsDetector
     from ddpscope.analysis.detectors.rank_exit import RankExitDetector
     from ddpscope.analysis.detectors.recipe.accumulation import AccumulationDetector
     from ddpscope.analysis.detectors.recipe.batchnorm import BatchNormDetector
@@ -67,6 +68,7 @@ def default_detectors(mode: Mode = LIVE) -> list[Detector]:
         RankExitDetector(mode),
         TelemetryDetector(mode),
         SkippedUpdatesDetector(mode),
+        NonFiniteWeightsDetector(mode),
         # After the hang detector: a collective mismatch names the pattern of its hang.
         GlobalBatchDetector(mode),
         CheckpointDetector(mode),

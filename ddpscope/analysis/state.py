@@ -181,6 +181,14 @@ class RunState:
         """Ranks the run info says exist but that never sent anything."""
         return [r for r in self.expected_ranks() if r not in self.ranks]
 
+    def tensor_names(self, attr: str, model: int) -> list[str]:
+        """Names of ``model``'s ``attr`` ("params" or "buffers") in RunInfo order; [] unknown."""
+        for view in self.ranks.values():
+            info = view.infos.get(model)
+            if info is not None:
+                return [str(entry[0]) for entry in getattr(info, attr)]
+        return []
+
     def complete_steps(self) -> list[int]:
         """Step indices every known rank has reported, oldest first."""
         n = len(self.ranks)

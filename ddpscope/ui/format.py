@@ -28,6 +28,7 @@ BADGES = {
     "replayed_batches": "replayed",
     "repeated_epoch": "same epoch",
     "optimizer_not_stepping": "no update",
+    "nonfinite_weights": "not finite",
     "double_sharded": "2x shard",
     "eval_mode_training": "eval mode",
     "unused_parameter_search": "search",

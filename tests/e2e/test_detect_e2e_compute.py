@@ -1,4 +1,5 @@
-"""Straggler, desync and hyperparameter detectors on real 2-rank torchrun jobs (gloo).
+"""Straggler, desync, hyperparameter and non-finite weight detectors on real 2-rank
+torchrun jobs (gloo).
 
 Each test records one demo run with a fault injected (or none), analyses the
 recording and checks that the right kind and rank are named and nothing else
@@ -13,6 +14,7 @@ import pytest
 
 from ddpscope.analysis.detectors.desync import DesyncDetector
 from ddpscope.analysis.detectors.hparams import HyperparamDetector
+from ddpscope.analysis.detectors.nonfinite import NonFiniteWeightsDetector
 from ddpscope.analysis.detectors.straggler import StragglerDetector
 from ddpscope.analysis.findings import Finding, severity_at_least
 from ddpscope.analysis.sources import analyze_recording
@@ -30,7 +32,12 @@ def _findings(tmp_path: Path, endpoint: str, *flags: str, **env: str) -> list[Fi
         [str(DEMO), *BASE, *flags],
         env=job_env(DDPSCOPE_RECORD=str(rec), DDPSCOPE_ENDPOINT=endpoint, **env),
     )
-    detectors = [StragglerDetector(), DesyncDetector(), HyperparamDetector()]
+    detectors = [
+        StragglerDetector(),
+        DesyncDetector(),
+        HyperparamDetector(),
+        NonFiniteWeightsDetector(),
+    ]
     analysis, recording = analyze_recording(str(rec), detectors=detectors)
     assert recording.problems == []
     assert analysis.detector_errors == {}
@@ -86,6 +93,29 @@ def test_rank_dependent_lr_is_a_hyperparameter_mismatch(tmp_path: Path, endpoint
     assert f.evidence["key"] == "lr"
     assert f.evidence["per_rank"] == {"0": pytest.approx(0.05), "1": pytest.approx(0.1)}
     assert f.step == 1  # at the first HParams, after the first step
+
+
+def test_one_nan_sample_that_diverges_every_replica_is_named_at_its_step(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # Rank 1's batch of step 5 holds a NaN, no GradScaler: the all-reduce averages
+    # NaN gradients into both ranks, whose weights stay equal (no desync).
+    found = _findings(
+        tmp_path,
+        endpoint,
+        "--nan-sample-rank",
+        "1",
+        "--nan-sample-step",
+        "5",
+        DDPSCOPE_CHECKSUM_EVERY="1",
+    )
+    assert [f.kind for f in found] == ["nonfinite_weights"], _describe(found)
+    f = found[0]
+    assert f.severity == "error" and f.ranks == [0, 1] and f.active
+    # the NaN lands in step 5's update: the fingerprint after it, the one before finite
+    assert f.step == 6
+    assert f.evidence["last_finite_step"] == {"0": 5, "1": 5}
+    assert f.evidence["count"] == 12 and f.evidence["names"][0] == "0.weight"
 
 
 def test_healthy_run_raises_nothing(tmp_path: Path, endpoint: str) -> None:

@@ -176,6 +176,7 @@ def fingerprint(
     run: str = RUN,
     t: int | None = None,
     reason: str = "interval",
+    nonfinite: Sequence[int] = (),
 ) -> Fingerprint:
     return Fingerprint(
         run=run,
@@ -186,6 +187,7 @@ def fingerprint(
         params=list(params),
         buffers=list(buffers),
         cost_ns=10_000,
+        nonfinite=list(nonfinite),
     )
 
 

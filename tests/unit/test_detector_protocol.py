@@ -39,7 +39,7 @@ PROTOCOL = ("kinds", "mode", "observe", "tick", "finish", "reset")
 def test_every_default_detector_follows_the_protocol_and_keeps_its_mode(mode: Mode) -> None:
     dets = default_detectors(mode)
     names = [type(d).__name__ for d in dets]
-    assert len(set(names)) == len(names) == 28
+    assert len(set(names)) == len(names) == 29
     for det in dets:
         assert isinstance(det, Detector), type(det).__name__
         assert det.mode is mode, type(det).__name__
@@ -247,7 +247,7 @@ def test_no_detector_module_imports_another_detector_module() -> None:
     detector_modules = {
         as_module(p) for p in mods if p not in HELPERS and not p.endswith("__init__.py")
     }
-    assert len(detector_modules) == 28  # one module per default detector
+    assert len(detector_modules) == 29  # one module per default detector
     for path, tree in mods.items():
         others = imported(tree) & (detector_modules - {as_module(path)})
         assert not others, f"{path} imports {sorted(others)}"

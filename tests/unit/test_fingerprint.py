@@ -223,6 +223,64 @@ def test_digesting_modifies_no_tensor_grad_or_rng_state() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+# --- finiteness of the parameters ------------------------------------------------
+
+
+def test_parameters_holding_nan_or_inf_are_listed_in_input_order() -> None:
+    ts = [torch.randn(5), torch.tensor([1.0, -math.inf]), torch.randn(BLOCK * 3 + 7)]
+    ts[2][BLOCK + 9] = math.nan
+    ts.append(torch.tensor([math.nan], dtype=torch.float64))
+    assert digest_tensors(ts, finite=range(len(ts))).nonfinite() == [1, 2, 3]
+
+
+def test_only_the_tensors_named_are_tested() -> None:
+    ts = [torch.zeros(3), torch.full((4, 4), -math.inf).triu(1)]
+    assert digest_tensors(ts, finite={0}).nonfinite() == []
+    assert digest_tensors(ts, finite={0, 1}).nonfinite() == [1]
+    assert digest_tensors(ts).nonfinite() == []
+
+
+def test_the_fingerprinter_tests_trained_parameters_not_frozen_ones_or_buffers() -> None:
+    # A mask of -inf is a buffer, or a frozen Parameter, on purpose.
+    mask = torch.full((4, 4), -math.inf).triu(1)
+    params = [
+        torch.nn.Parameter(torch.ones(3)),
+        torch.nn.Parameter(mask.clone(), requires_grad=False),
+    ]
+    fp = Fingerprinter(params, [mask])
+    fp.start(0, "initial")
+    got = fp.poll(force=True)
+    assert got is not None and got["nonfinite"] == []
+    with torch.no_grad():
+        params[0][1] = math.nan
+    fp.start(1, "interval")
+    got = fp.poll(force=True)
+    assert got is not None and got["nonfinite"] == [0]
+
+
+def test_large_finite_half_precision_tensors_are_finite() -> None:
+    # Their own sum overflows fp16 (65504) and bf16 is coarse: summed in float32.
+    big = [torch.full((100_000,), 60_000.0, dtype=d) for d in (torch.float16, torch.bfloat16)]
+    assert digest_tensors(big, finite={0, 1}).nonfinite() == []
+    big[0][77] = math.inf
+    big[1][5] = math.nan
+    assert digest_tensors(big, finite={0, 1}).nonfinite() == [0, 1]
+
+
+def test_complex_and_batched_small_parameters_are_tested() -> None:
+    small = [torch.randn(3) for _ in range(BATCH_MIN + 2)]  # hashed as one batch
+    small[2][1] = math.inf
+    cplx = torch.randn(4, dtype=torch.complex64)
+    cplx[3] = complex(0.0, math.nan)
+    ts = [*small, cplx, torch.arange(3), torch.zeros(0)]  # integers and empties: not tested
+    assert digest_tensors(ts, finite=range(len(ts))).nonfinite() == [2, len(small)]
+
+
+def test_testing_finiteness_changes_no_digest() -> None:
+    ts = [torch.randn(7), torch.tensor([math.nan]), torch.randn(BLOCK + 3).half()]
+    assert digest_tensors(ts, finite={0, 1, 2}).values() == digest_tensors(ts).values()
+
+
 def test_meta_tensors_are_refused() -> None:
     with pytest.raises(TypeError, match="meta"):
         digest_tensors([torch.empty(3, device="meta")])
@@ -305,12 +363,25 @@ def test_poll_returns_nothing_until_the_copy_lands(events: FakeEvents) -> None:
     events.complete()
     got = fp.poll()
     assert got is not None
-    assert set(got) == {"step", "reason", "params", "buffers", "cost_ns"}
+    assert set(got) == {"step", "reason", "params", "buffers", "cost_ns", "nonfinite"}
     assert (got["step"], got["reason"]) == (3, "interval")
     assert got["params"] == digest_tensors(params).values()
     assert got["buffers"] == digest_tensors(buffers).values()
     assert fp.device_ns == 2_500_000
     assert fp.poll() is None
+
+
+def test_nonfinite_flags_travel_in_the_same_copy_as_the_digests(events: FakeEvents) -> None:
+    values = [torch.ones(4), torch.tensor([1.0, math.nan]), torch.arange(BLOCK * 2 + 1.0)]
+    params = [torch.nn.Parameter(v) for v in values]
+    fp = Fingerprinter(params, [], transfer=events.transfer)
+    fp.start(4, "interval")
+    assert len(events.events) == 2  # still one copy and one event pair
+    assert fp.poll() is None
+    events.complete()
+    got = fp.poll()
+    assert got is not None and got["nonfinite"] == [1]
+    assert got["params"] == digest_tensors(params).values()
 
 
 def test_forced_poll_waits_for_the_event(events: FakeEvents) -> None:
@@ -352,6 +423,7 @@ def test_poll_reports_params_and_buffers_separately_with_host_cost() -> None:
         "params": digest_tensors(params).values(),
         "buffers": digest_tensors(buffers).values(),
         "cost_ns": 1234,
+        "nonfinite": [],
     }
     assert fp.poll() is None
 

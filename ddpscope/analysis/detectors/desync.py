@@ -194,14 +194,6 @@ def compare(digests: dict[int, list[int]]) -> _Diff | None:
     return _Diff(indices, minority, ambiguous, sorted(minority))
 
 
-def _names(run: RunState, attr: str, model: int) -> list[str]:
-    for view in run.ranks.values():
-        info = view.infos.get(model)
-        if info is not None:
-            return [str(entry[0]) for entry in getattr(info, attr)]
-    return []
-
-
 def _key(what: str, model: int) -> str:
     """The finding's key: ``params`` or ``buffers``, with the model when not the first."""
     return what if model == 0 else f"{what}:{model}"
@@ -353,7 +345,7 @@ class DesyncDetector:
     ) -> None:
         model, step = at
         key = _key(what, model)
-        names = _names(run, what, model)
+        names = run.tensor_names(what, model)
         label = [names[i] if i < len(names) else f"{what}[{i}]" for i in diff.indices]
         one, many = _WHAT[what]
         noun = one if len(label) == 1 else many
