@@ -3,7 +3,9 @@
     python -m benchmarks.gpu_check --out gpu_check.json
 
 1. Fingerprints computed on the GPU equal those of the same tensors on the
-   CPU, for every dtype ddpscope digests (the hash is defined on raw bits).
+   CPU, for every dtype ddpscope digests (the hash is defined on raw bits),
+   and the GPU's NaN/inf test (multi-tensor norms) flags what the CPU's sums
+   flag, without a synchronising call.
 2. EventClock: a matmul timed with two events read lazily agrees with the
    same matmul timed by synchronising around it.
 3. A real one-process DDP job (NCCL) under ddpscope: steps report
@@ -50,7 +52,26 @@ def check_digests() -> dict[str, Any]:
     on_gpu.wait()
     elapsed = time.perf_counter() - t0
     same = on_gpu.values() == digest_tensors(cpu).values()
-    return {"ok": same, "dtypes": [str(d) for d in dtypes], "gpu_digest_s": elapsed}
+    # The NaN/inf test takes the grouped (multi-tensor) path on the GPU: same flags as the
+    # CPU's sums, and still no synchronisation before the copy lands.
+    floats = [i for i, d in enumerate(dtypes) if d.is_floating_point]
+    for i in floats[1::2]:
+        cpu[i].view(-1)[7] = float("nan")
+        gpu[i].view(-1)[7] = float("nan")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = digest_tensors(gpu, finite=set(floats))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    flagged = pending.nonfinite()
+    expected = floats[1::2]
+    return {
+        "ok": same and flagged == expected == digest_tensors(cpu, finite=set(floats)).nonfinite(),
+        "dtypes": [str(d) for d in dtypes],
+        "gpu_digest_s": elapsed,
+        "nonfinite_flagged": flagged,
+        "nonfinite_expected": expected,
+    }
 
 
 def check_event_clock() -> dict[str, Any]:

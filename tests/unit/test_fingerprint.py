@@ -276,6 +276,17 @@ def test_complex_and_batched_small_parameters_are_tested() -> None:
     assert digest_tensors(ts, finite=range(len(ts))).nonfinite() == [2, len(small)]
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["sums-cpu", "foreach-norms-gpu"])
+def test_both_ways_of_testing_agree_on_every_dtype(grouped: bool) -> None:
+    # The grouped way is the one devices other than the CPU take; it runs on the CPU too.
+    dtypes = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+    ts = [torch.full((70_000,), 60_000.0, dtype=d) for d in dtypes for _ in range(2)]
+    for i, bad in ((1, math.nan), (2, math.inf), (7, -math.inf)):
+        ts[i][123] = bad
+    flags = fpmod._nonfinite_flags(ts, grouped=grouped).tolist()
+    assert flags == [0, 1, 1, 0, 0, 0, 0, 1]
+
+
 def test_testing_finiteness_changes_no_digest() -> None:
     ts = [torch.randn(7), torch.tensor([math.nan]), torch.randn(BLOCK + 3).half()]
     assert digest_tensors(ts, finite={0, 1, 2}).values() == digest_tensors(ts).values()
