@@ -65,7 +65,7 @@ def test_weights_gone_nan_on_every_rank_are_an_error_at_the_first_check_that_see
     assert f.message.startswith("Every rank's weights are no longer finite: 4 of 4 parameters")
     assert "at step 16 (the check before, at step 8, found them finite)" in f.message
     assert "0.weight, 0.bias, 2.weight and 1 more" in f.message
-    assert "Only on" not in f.message
+    assert "checked finite" not in f.message and f.evidence["finite_ranks"] == []
     assert "clip_grad_norm_" in f.fix and "GradScaler" in f.fix
 
 
@@ -82,7 +82,20 @@ def test_one_rank_alone_is_named_alone_and_said_to_have_skipped_the_average() ->
     (f,) = findings(analyse(msgs, 4))
     assert f.ranks == [2] and f.step == 8
     assert f.message.startswith("Rank 2's weights are no longer finite")
-    assert "Only on these ranks" in f.message
+    # rank 3's finite check came after rank 2's: it joined the list then
+    assert "Ranks 0, 1, 3 checked finite at that step or later" in f.message
+    assert f.evidence["finite_ranks"] == [0, 1, 3]
+
+
+def test_the_first_rank_to_report_is_not_said_to_be_alone_before_the_others_report() -> None:
+    # Fingerprints arrive rank by rank: rank 0's NaN first, rank 1's a moment later.
+    an = analyse([*checks(2, 0), fingerprint(0, 8, NAN, nonfinite=[0])])
+    (f,) = findings(an)
+    assert f.ranks == [0] and f.evidence["finite_ranks"] == []
+    assert f.message.startswith("Rank 0's weights") and "checked finite" not in f.message
+    feed(an, [fingerprint(1, 8, NAN, nonfinite=[0])])
+    (f,) = findings(an)
+    assert f.ranks == [0, 1] and f.message.startswith("Every rank's weights")
 
 
 def test_a_run_whose_first_check_is_not_finite_has_no_finite_step_to_quote() -> None:

@@ -84,10 +84,15 @@ class NonFiniteWeightsDetector:
         if rk is None:
             rk = ranks[msg.rank] = _Rank()
         if not msg.nonfinite:
-            rk.last_finite = max(rk.last_finite, msg.step)
+            before, rk.last_finite = rk.last_finite, max(rk.last_finite, msg.step)
             if rk.named:
                 rk.named = False
                 self._withdraw(ranks, msg.model, msg.step, book)
+                return
+            since = [v.since for v in ranks.values() if v.named]
+            if since and before < min(since) <= msg.step:
+                # Finite after the others diverged: now known to have diverged alone.
+                self._publish(run, ranks, msg.model, book)
             return
         if rk.named:
             return
@@ -108,14 +113,20 @@ class NonFiniteWeightsDetector:
         finite = [v.last_finite for v in named.values() if v.last_finite >= 0]
         before = f" (the check before, at step {max(finite)}, found them finite)" if finite else ""
         everyone = sorted(named) == run.expected_ranks()
+        # Said only once another rank's check at or after that step came back finite:
+        # fingerprints arrive rank by rank, and the first to arrive is not alone yet.
+        healthy = sorted(
+            r for r, v in ranks.items() if not v.named and v.last_finite >= first.since
+        )
         whose = (
             "every rank's weights are" if everyone else f"{ranks_phrase(list(named))}'s weights are"
         )
         alone = (
-            ""
-            if everyone
-            else " Only on these ranks: their gradients were not averaged with the others' "
-            "(see desync)."
+            f" {cap(ranks_phrase(healthy))} checked finite at that step or later: the "
+            "divergence stayed on the ranks named, whose gradients were not averaged with "
+            "the others' (see desync)."
+            if healthy
+            else ""
         )
         message = (
             f"{cap(whose)} no longer finite: {len(label)}{of} {noun} NaN or inf at step "
@@ -136,6 +147,7 @@ class NonFiniteWeightsDetector:
                     "model": model,
                     "since_step": {str(r): v.since for r, v in named.items()},
                     "last_finite_step": {str(r): v.last_finite for r, v in named.items()},
+                    "finite_ranks": healthy,
                     "count": len(label),
                     "names": label[:NAMES_IN_EVIDENCE],
                 },
