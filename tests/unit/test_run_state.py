@@ -31,3 +31,15 @@ def test_a_rank_beyond_the_world_after_the_run_info_is_refused() -> None:
     run = analysis.latest
     assert run is not None and sorted(run.ranks) == [0, 1]
     assert run.rejected["rank outside the world"] == 1
+
+
+def test_a_step_time_past_int64_is_refused_before_any_detector_sees_it() -> None:
+    # The decoder admits unsigned 64-bit ints (for digests); the fuzzer sent
+    # t_end = 2**64 - 1 and the straggler detector's int64 arrays overflowed.
+    steps = [m for m in lockstep(2, 60, constant()) if isinstance(m, Step)]
+    steps[81] = dataclasses.replace(steps[81], t_end=(1 << 64) - 1)
+    steps[83] = dataclasses.replace(steps[83], backward_ns=1 << 63)
+    analysis = feed(build_analysis(LIVE, history=2048), [*run_infos(2), *steps])
+    assert analysis.detector_errors == {}
+    run = analysis.latest
+    assert run is not None and run.rejected["time out of range"] == 2
