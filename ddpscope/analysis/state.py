@@ -470,35 +470,19 @@ _I64_MAX = (1 << 63) - 1
 
 
 def _absurd_step(msg: Step) -> str:
-    if msg.t_end < msg.t_start or (
-        min(
-            msg.data_ns,
-            msg.forward_ns,
-            msg.backward_ns,
-            msg.optimizer_ns,
-            msg.comm_wait_ns,
-            msg.sync_wait_ns,
-            msg.coll_wait_ns,
-            msg.other_ns,
-            msg.step,
-        )
-        < 0
-    ):
+    spans = (
+        msg.data_ns,
+        msg.forward_ns,
+        msg.backward_ns,
+        msg.optimizer_ns,
+        msg.comm_wait_ns,
+        msg.sync_wait_ns,
+        msg.coll_wait_ns,
+        msg.other_ns,
+    )
+    if msg.t_end < msg.t_start or min(*spans, msg.step) < 0:
         return "negative duration"
-    if (
-        max(
-            msg.t_end,
-            msg.data_ns,
-            msg.forward_ns,
-            msg.backward_ns,
-            msg.optimizer_ns,
-            msg.comm_wait_ns,
-            msg.sync_wait_ns,
-            msg.coll_wait_ns,
-            msg.other_ns,
-        )
-        > _I64_MAX
-    ):
+    if max(*spans, msg.t_end) > _I64_MAX:
         # The decoder admits unsigned 64-bit ints (digests); a monotonic clock or a
         # duration past int64 (292 years) is not one, and int64 arrays refuse it.
         return "time out of range"
