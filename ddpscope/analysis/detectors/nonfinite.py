@@ -46,6 +46,11 @@ FIX = (
 )
 
 
+def _key(model: int) -> str:
+    """The finding's key: one per model, as desync keys its parameters."""
+    return "params" if model == 0 else f"params:{model}"
+
+
 @dataclass
 class _Rank:
     #: Step of the rank's latest finite fingerprint (-1: none yet).
@@ -133,7 +138,7 @@ class NonFiniteWeightsDetector:
             f"{first.since}{before}: {quoted}. The run goes on without an error, "
             f"but every loss from here is NaN and the model no longer learns.{alone}"
         )
-        key = "params" if model == 0 else f"params:{model}"
+        key = _key(model)
         book.raise_or_update(
             key,
             Finding(
@@ -158,7 +163,7 @@ class NonFiniteWeightsDetector:
     def _withdraw(ranks: dict[int, _Rank], model: int, step: int, book: FindingBook) -> None:
         if any(v.named for v in ranks.values()):
             return  # another rank's weights are still not finite
-        key = "params" if model == 0 else f"params:{model}"
+        key = _key(model)
         f = book.get(KIND, key)
         if f is None or not f.active:
             return
