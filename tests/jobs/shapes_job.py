@@ -186,7 +186,12 @@ def cnn() -> nn.Module:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--shape", choices=SHAPES, required=True)
+    p.add_argument(
+        "--shape",
+        required=True,
+        help="a shape, or several separated by commas: trained one after another, each "
+        "with a model, optimizer, sampler and loader of its own, in one process group",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
@@ -195,33 +200,44 @@ def main() -> None:
     p.add_argument("--no-set-epoch", action="store_true", help="repaug: forget set_epoch()")
     p.add_argument("--persistent-workers", action="store_true", help="stream: keep its workers")
     args = p.parse_args()
+    shapes = args.shape.split(",")
+    for shape in shapes:
+        if shape not in SHAPES:
+            p.error(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    steps = sum(train(shape, args, rank, world) for shape in shapes)
+    print(f"done: {rank} ({steps} steps, world {world})", flush=True)
+    dist.destroy_process_group()
+
+
+def train(shape: str, args: argparse.Namespace, rank: int, world: int) -> int:
+    """Train one shape to the end; returns its iterations."""
     torch.manual_seed(0)
-    images = args.shape == "bufs"
+    images = shape == "bufs"
     x = torch.randn(args.samples, 3, 16, 16) if images else torch.randn(args.samples, 32)
     data = TensorDataset(x, torch.randint(0, 4, (args.samples,)))
     sampler: Sampler[int] = DistributedSampler(data, seed=1)
     dp_group = None
     draws: WeightedRandomSampler | None = None
-    if args.shape == "repaug":
+    if shape == "repaug":
         sampler = RepeatAugSampler(len(data), world, rank)
-    elif args.shape == "endless":
+    elif shape == "endless":
         sampler = TrainingSampler(len(data), world, rank, seed=1)
-    elif args.shape == "weighted":
+    elif shape == "weighted":
         rare = torch.arange(args.samples) % 10 == 0
         draws = WeightedRandomSampler(
             torch.where(rare, 9.0, 1.0),
             num_samples=len(data) // world,
             generator=torch.Generator().manual_seed(1000 + rank),
         )
-    elif args.shape == "dp2d":
+    elif shape == "dp2d":
         # Every rank creates every group, in the same order, as torch requires.
         groups = [dist.new_group(list(range(k, world, 2))) for k in range(2)]
         dp_group = groups[rank % 2]
         sampler = DistributedSampler(data, num_replicas=world // 2, rank=rank // 2, seed=1)
         torch.manual_seed(100 + rank % 2)  # each pair's shards its own weights
-    stream = EpochStream(data, world, rank) if args.shape == "stream" else None
+    stream = EpochStream(data, world, rank) if shape == "stream" else None
     if stream is not None:
         loader = DataLoader(
             stream, batch_size=args.batch, num_workers=2, persistent_workers=args.persistent_workers
@@ -230,41 +246,21 @@ def main() -> None:
         loader = DataLoader(
             data, batch_size=args.batch, sampler=draws if draws is not None else sampler
         )
+    if shape == "gan":
+        return train_gan(args.epochs, sampler, loader)
     loss_fn = nn.CrossEntropyLoss()
     steps = 0
-    if args.shape == "gan":
-        gen, disc = DDP(mlp()), DDP(nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1)))
-        ddpscope.attach(gen)
-        ddpscope.attach(disc)
-        opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
-        opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
-        for epoch in range(args.epochs):
-            sampler.set_epoch(epoch)
-            for xb, _ in loader:
-                fake = gen(xb)
-                d_loss = disc(fake.detach()).mean() - disc(torch.randn_like(fake)).mean()
-                opt_d.zero_grad()
-                d_loss.backward()
-                opt_d.step()
-                g_loss = -disc(fake).mean()
-                opt_g.zero_grad()
-                g_loss.backward()
-                opt_g.step()
-                steps += 1
-        print(f"done: {rank} ({steps} steps, world {world})", flush=True)
-        dist.destroy_process_group()
-        return
-    if args.shape == "bufs":
+    if shape == "bufs":
         model: nn.Module = DDP(cnn(), broadcast_buffers=False)
-    elif args.shape == "twice":
+    elif shape == "twice":
         model = DDP(mlp(), static_graph=True)
-    elif args.shape == "unused":
+    elif shape == "unused":
         model = DDP(TwoHeads(), find_unused_parameters=True)
     else:
         model = DDP(mlp(256), process_group=dp_group)
     ddpscope.attach(model)
     averager = None
-    if args.shape == "localsgd":
+    if shape == "localsgd":
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
         from torch.distributed.algorithms.model_averaging import averagers
 
@@ -272,7 +268,7 @@ def main() -> None:
         state = local.PostLocalSGDState(None, subgroup=subgroup, start_localSGD_iter=8)
         model.register_comm_hook(state, local.post_localSGD_hook)
         averager = averagers.PeriodicModelAverager(period=4, warmup_steps=8)
-    if args.shape == "zero":
+    if shape == "zero":
         opt: torch.optim.Optimizer = ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=torch.optim.SGD, lr=0.05
         )
@@ -280,7 +276,7 @@ def main() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = os.path.join(tempfile.gettempdir(), f"shapes-{os.getpid()}.pt")
     # An endless sampler's loader is iterated once; its "epochs" are counts of steps.
-    endless = iter(loader) if args.shape == "endless" else None
+    endless = iter(loader) if shape == "endless" else None
     per_epoch = len(data) // world // args.batch
     for epoch in range(args.epochs):
         if stream is not None:
@@ -290,10 +286,10 @@ def main() -> None:
         batches = loader if endless is None else (next(endless) for _ in range(per_epoch))
         for xb, yb in batches:
             opt.zero_grad()
-            if args.shape == "twice":
+            if shape == "twice":
                 a, b = model(xb), model(xb + 0.01 * torch.randn_like(xb))
                 loss = loss_fn(a, yb) + (a - b).pow(2).mean()
-            elif args.shape == "unused":
+            elif shape == "unused":
                 loss = loss_fn(model(xb, steps % 2 == 1), yb)
             else:
                 loss = loss_fn(model(xb), yb)
@@ -302,19 +298,41 @@ def main() -> None:
             if averager is not None:
                 averager.average_parameters(model.parameters())
             steps += 1
-            if args.shape == "save" and steps % 20 == 0:
+            if shape == "save" and steps % 20 == 0:
                 if rank == 0:
                     with SlowFile(ckpt, args.slow_save_s if steps == 20 else 0.0) as f:
                         torch.save(model.module.state_dict(), f)
                 dist.barrier()
-            if args.shape == "save" and steps == 30 and args.eval_s:
+            if shape == "save" and steps == 30 and args.eval_s:
                 if rank == 0:
                     evaluate_alone(model.module, xb, args.eval_s)
                 dist.barrier()
     if os.path.exists(ckpt):
         os.remove(ckpt)
-    print(f"done: {rank} ({steps} steps, world {world})", flush=True)
-    dist.destroy_process_group()
+    return steps
+
+
+def train_gan(epochs: int, sampler: Sampler[int], loader: DataLoader) -> int:
+    gen, disc = DDP(mlp()), DDP(nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1)))
+    ddpscope.attach(gen)
+    ddpscope.attach(disc)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    steps = 0
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        for xb, _ in loader:
+            fake = gen(xb)
+            d_loss = disc(fake.detach()).mean() - disc(torch.randn_like(fake)).mean()
+            opt_d.zero_grad()
+            d_loss.backward()
+            opt_d.step()
+            g_loss = -disc(fake).mean()
+            opt_g.zero_grad()
+            g_loss.backward()
+            opt_g.step()
+            steps += 1
+    return steps
 
 
 if __name__ == "__main__":
