@@ -59,6 +59,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-sleep-ms", type=float, default=0.0, help="extra work per step")
     p.add_argument("--ddp-log", default="", help="write DDP's own logging data to PATH.rankN")
     p.add_argument("--uneven", action="store_true", help="rank 0 has half the batches (Join)")
+    p.add_argument(
+        "--rewrap-epoch",
+        type=int,
+        default=-1,
+        help="wrap the layers in a new DDP model at the start of this epoch, as a script "
+        "that unfreezes layers must (DDP reads requires_grad once); not with --uneven",
+    )
     p.add_argument("--timing", default="", help="write each step's wall time to PATH.rankN")
     # faults
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank is a straggler")
@@ -180,7 +187,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--barrier", action="store_true", help="every rank calls barrier() per epoch")
     p.add_argument("--batchnorm", action="store_true", help="BatchNorm1d after hidden layers")
     p.add_argument("--pg-timeout-s", type=float, default=0.0, help="collective timeout, s")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rewrap_epoch >= 0 and (args.uneven or args.api == "replicate"):
+        p.error("--rewrap-epoch needs a DDP(...) model and no Join (--uneven)")
+    return args
 
 
 def build_model(width: int, depth: int, batchnorm: bool = False) -> nn.Module:
@@ -309,13 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             net, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=args.bucket_view, **on_gpu
         )
     else:
-        model = DDP(
-            net,
-            device_ids=[device] if device is not None else None,
-            bucket_cap_mb=args.bucket_mb,
-            gradient_as_bucket_view=args.bucket_view,
-            find_unused_parameters=args.find_unused,
-        )
+        model = _wrap(net, args, device)
     if args.comm_hook == "fp16-before":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -368,6 +372,13 @@ def _train(args, rank, model, opt, loss_fn, loader, sampler, device):  # type: i
     cycled = itertools.cycle(loader) if args.cycle else None
     scaler = torch.amp.GradScaler("cpu") if args.nan_loss_step >= 0 else None
     for epoch in range(args.epochs):
+        if epoch == args.rewrap_epoch:
+            # The same layers (and optimizer) in a new DDP model; zero-code attaches it.
+            model = _wrap(_layers(model), args, device)
+            if not args.no_attach:
+                import ddpscope
+
+                ddpscope.attach(model)
         if isinstance(sampler, DistributedSampler) and not args.no_set_epoch:
             sampler.set_epoch(epoch)
         if args.peek:
@@ -466,6 +477,16 @@ def _average_gradients(model: nn.Module, how: str) -> None:
         dist.all_reduce(buf)
         for g, part in zip(group, buf.split([g.numel() for g in group]), strict=True):
             g.copy_(part.view_as(g) / world)
+
+
+def _wrap(net: nn.Module, args: argparse.Namespace, device: int | None) -> DDP:
+    return DDP(
+        net,
+        device_ids=[device] if device is not None else None,
+        bucket_cap_mb=args.bucket_mb,
+        gradient_as_bucket_view=args.bucket_view,
+        find_unused_parameters=args.find_unused,
+    )
 
 
 def _layers(model: nn.Module) -> nn.Module:

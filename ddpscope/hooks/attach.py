@@ -66,11 +66,17 @@ _PROCESS: RankProcess | None = None
 class Handle:
     """What ``attach`` returns: the live link between one DDP model and ddpscope."""
 
-    def __init__(self, tgt: target.Target, proc: RankProcess, index: int) -> None:
+    def __init__(
+        self, tgt: target.Target, proc: RankProcess, index: int, after: Handle | None = None
+    ) -> None:
+        """``after``: the handle of an earlier DDP model over the same parameters, which
+        this one replaces (``retire``): its index, and its step count carried on."""
         model = tgt.ddp
         self.model = model
         #: What the loop calls: the DDP model, or a module under ``replicate()``.
         self.entry = tgt.entry
+        #: The user's layers, whose parameters tell a re-wrap of them (``rewraps``).
+        self.module = tgt.module
         self.index = index
         self._proc = proc
         self.publisher = proc.publisher
@@ -98,6 +104,8 @@ class Handle:
         )
         if opts.bucket_every:
             self.tracker.fixed_every = opts.bucket_every
+        if after is not None:
+            self.tracker.take_over(after.tracker)
         self._info = runinfo.run_info_fields(tgt, opts, proc.started_wall_ns)
         extra = proc.recipe.guard(
             recipe.run_info_fields, model, self._info["local_rank"], self._info["local_world_size"]
@@ -137,7 +145,7 @@ class Handle:
             )
         self.publisher.post(RunInfo.KIND, index, self._run_info())
         if opts.checksum_every != -1:
-            self._fingerprint(0, "initial")
+            self._fingerprint(self.job_step, "initial")
 
     @property
     def enabled(self) -> bool:
@@ -145,7 +153,8 @@ class Handle:
 
     @property
     def step(self) -> int:
-        return self.tracker.step
+        """Steps of this model so far, with those of the wrapper it replaced."""
+        return self.tracker.step + self.tracker.step_base
 
     @property
     def job_step(self) -> int:
@@ -156,7 +165,7 @@ class Handle:
         same point of training as theirs, which is what the desync check
         compares. Equal to ``step`` in a job without Join.
         """
-        return self.tracker.step + self.tracker.state.join_shadow
+        return self.step + self.tracker.state.join_shadow
 
     @property
     def record_path(self) -> str | None:
@@ -301,7 +310,9 @@ class Handle:
             nxt = step - step % HPARAMS_EVERY + HPARAMS_EVERY
         fp = self.fingerprinter
         # In the tracker's own steps (the fingerprints count the job's: see job_step).
-        nxt = min(nxt, max(step + 1, fp.quiet_until - tracker.state.join_shadow))
+        nxt = min(
+            nxt, max(step + 1, fp.quiet_until - tracker.state.join_shadow - tracker.step_base)
+        )
         tracker.notify_at = nxt
         if fp.requested != fp.served:
             # A request that came in meanwhile (request_fingerprint sets 0 after
@@ -314,6 +325,7 @@ class Handle:
         if opts and key != self._hparams_key:
             self._hparams_key = key
             self._hparams = hparams(opts)
+            step += self.tracker.step_base
             self._hparams_step = step
             fields: dict[str, Any] = {"step": step, "optimizers": self._hparams}
             if final:
@@ -329,10 +341,35 @@ class Handle:
             self.fingerprinter.discard_oldest()
         return fields
 
-    def finish(self, clean: bool = True) -> None:
+    def rewraps(self, tgt: target.Target) -> bool:
+        """Whether ``tgt`` wraps any of this model's parameters: the loop re-wrapped them
+        (DDP must be rebuilt to train layers unfrozen after it was made; a second
+        ``Trainer.fit`` wraps the same module again)."""
+        if not self.tracker.enabled:
+            return False
+        try:
+            mine = {id(p) for p in self.module.parameters()}
+            return any(id(p) in mine for p in tgt.module.parameters())
+        except Exception:  # a module whose parameters() fails: a model of its own
+            return False
+
+    def retire(self) -> None:
+        """A new DDP model over the same parameters replaces this one: stop watching it.
+
+        Its hooks would otherwise go on firing on the shared parameters, each backward
+        of the new wrapper a step of this one with no forward through it (a false
+        ``forward_bypasses_ddp``), and this handle would keep the old wrapper, with
+        its gradient buckets, alive. The new handle sends the final state instead."""
+        self.finish(clean=False, last=False)
+        _HANDLES.pop(self.entry, None)
+        comm.unlink(self.model)
+        if self._proc.timer is not None:
+            self._proc.timer.forget(self.model)
+
+    def finish(self, clean: bool = True, last: bool = True) -> None:
         if self.tracker.enabled:
             self.guard(self.tracker.flush)
-            if self._hparams_key is not None:
+            if last and self._hparams_key is not None:
                 # A scheduler's last move after the last checked step (without it
                 # a short run reports the rate it had there as its last), sent as
                 # the next step's: the rate it moved to, at a step no rank sent yet
@@ -412,8 +449,17 @@ def _attach(
             return InertHandle("DDPSCOPE_DISABLE is set")
         try:
             proc = _process_for(opts, tgt.ddp)
-            handle = Handle(tgt, proc, len(proc.handles))
-            proc.handles.append(handle)
+            old = next((h for h in reversed(proc.handles) if h.rewraps(tgt)), None)
+            if old is None:
+                handle = Handle(tgt, proc, len(proc.handles))
+                proc.handles.append(handle)
+            else:
+                old.retire()
+                handle = Handle(tgt, proc, old.index, after=old)
+                proc.handles[proc.handles.index(old)] = handle
+                if proc.timer is not None and proc.timer.sink is old.tracker:
+                    # The script's own collectives were booked to the old model's steps.
+                    proc.timer.sink = handle.tracker
         except (ConfigError, TypeError):
             raise
         except Exception as exc:

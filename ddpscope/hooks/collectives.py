@@ -266,6 +266,10 @@ class CollectiveTimer:
         """Time the buffer broadcast DDP runs at the start of this model's forwards."""
         self._models[model] = (sink, self.group_key(getattr(model, "process_group", None)))
 
+    def forget(self, model: Any) -> None:
+        """Stop timing ``model``'s buffer broadcast (its sink holds it: the key never dies)."""
+        self._models.pop(model, None)
+
     def buffer_sync(self, orig: Callable[..., Any], model: Any, args: Any, kwargs: Any) -> Any:
         known = self._models.get(model) if self._active() else None
         if known is None:

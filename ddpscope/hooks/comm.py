@@ -277,6 +277,11 @@ def link(model: Any, tracker: Any) -> None:
     install_class_shim()
 
 
+def unlink(model: Any) -> None:
+    """Forget ``model``'s tracker: the tracker holds the model, so the weak key never dies."""
+    _trackers.pop(model, None)
+
+
 def wrap(model: Any) -> HookState | None:
     """Install the timing wrapper; None when the slot was taken before we came."""
     hs = getattr(model, STATE_ATTR, None)

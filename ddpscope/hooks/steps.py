@@ -183,6 +183,10 @@ class StepTracker:
         self._lane, self._cap = publisher.lane
         self.enabled = True
         self.step = 0
+        #: Added to every step number this tracker publishes (never to its own count,
+        #: which its first-steps logic reads): the steps of the model it took over
+        #: from when the same parameters were wrapped in a new DDP (hooks/attach.py).
+        self.step_base = 0
         #: Steps between two that carry per-bucket detail; adapted in _close.
         self.bucket_every = 1
         #: ddpscope's comm hook is registered on this model (hooks/comm.py):
@@ -315,6 +319,19 @@ class StepTracker:
         self._c: list[Collective] = []
         self._c_lost = 0
         self._join = False
+
+    def take_over(self, old: StepTracker) -> None:
+        """Go on from ``old``, the tracker of a DDP model this one's replaced over the
+        same parameters: one model to the watcher, so its steps and bucket layouts are
+        numbered on from the old ones and the first step here starts where the old
+        wrapper's last one ended, with what the loop did since (its collectives, its
+        batches' waits) in it."""
+        self.step_base = old.step + old.step_base
+        self.layout_gen = old.layout_gen
+        if old.step and not (old._fwd or old._bwd or old._opt or old._open):
+            self._start, self._prev_end = old._start, old._prev_end
+            self._iv, self._c, self._c_lost = old._iv, old._c, old._c_lost
+            self._fetch_mark, self._calls_mark = old._fetch_mark, old._calls_mark
 
     # --- forward -------------------------------------------------------------
 
@@ -955,7 +972,7 @@ class StepTracker:
         step += 1
         self.step = step
         st = self.state
-        st.step = step
+        st.step = step + self.step_base
         st.bucket = -1
         # Where this step drew from a DataLoader, the next one's waits mark "data"
         # themselves (hooks/loaderwait.py); the rest of the gap is its own code.
@@ -1085,7 +1102,7 @@ class StepTracker:
         indices = sorted(self._layout) if indices is None else indices
         return {
             "generation": self.layout_gen,
-            "step": self._layout_step,
+            "step": self._layout_step + self.step_base,
             "index": indices,
             "nbytes": [self._layout[i] for i in indices],
             "dtype": [self._layout_dtype[i] for i in indices],
@@ -1144,7 +1161,7 @@ class StepTracker:
         durations = [at(e) - at(s) if e >= 0 else -1 for s, e in zip(b_start, b_end, strict=True)]
         accounted = data + sum(sums.values()) + sync_wait + coll_wait
         fields: dict[str, Any] = {
-            "step": rec.step,
+            "step": rec.step + self.step_base,
             "t_start": t_start,
             "t_end": t_end,
             "data_ns": data,

@@ -4,8 +4,8 @@ Each is trained in a real 2-rank torchrun job (gloo, CPU) with ddpscope attached
 and recording, then ``ddpscope report --json``: no warning or error, every step
 recorded on every rank, the phases adding up. The shapes that need no job of their
 own are trained one after another in one job (each its own model, optimizer and
-loader: ten jobs' start-up paid once), which also makes it a script that builds
-eleven DDP models in turn; the checkpoint, evaluation and 4-rank shapes run alone.
+loader: eleven jobs' start-up paid once), which also makes it a script that builds
+thirteen DDP models in turn; the checkpoint, evaluation and 4-rank shapes run alone.
 The shapes put collectives and forwards where the usual loop has none:
 ZeroRedundancyOptimizer broadcasts inside ``optimizer.step()``, a siamese loss runs two
 forwards before one backward (``static_graph``), ``find_unused_parameters`` with a head used every
@@ -22,7 +22,9 @@ and weighted draws with replacement seeded per rank (they share samples by
 chance: no shard overlap), detectron2's endless TrainingSampler (one pass
 a run: over it every rank draws every sample; no unsharded_data), and a stream
 split by rank and by worker that reshuffles by its own ``set_epoch`` (workers
-forked anew each epoch). Kept persistent, that stream's workers never see the
+forked anew each epoch), and transfer learning's first layer frozen for an epoch,
+then unfrozen and wrapped in a new DDP model (one model to ddpscope, its steps
+numbered on). Kept persistent, that stream's workers never see the
 epoch and every epoch replays the first: ``repeated_epoch``, and nothing else.
 """
 
@@ -75,6 +77,7 @@ def run_shape(tmp_path: Path, endpoint: str, shape: str) -> Path:
 #: (its own model's findings) and the run as a whole must stay quiet.
 SEQUENCE = (
     "zero", "twice", "unused", "gan", "bufs", "repaug", "localsgd", "weighted", "endless", "stream",
+    "unfreeze",
 )  # fmt: skip
 #: A shape's models, in the order it attaches them (a GAN attaches two).
 MODELS = {"gan": 2}
@@ -111,6 +114,11 @@ def test_a_healthy_job_of_this_shape_raises_nothing(
         range(NPROC.get(shape, 2)), per_rank
     )
     assert_phases_add_up(steps)
+    if "unfreeze" in shapes:
+        # Unfrozen and wrapped in a new DDP model after its first epoch: still one model,
+        # its steps numbered on (the old wrapper's hooks once made each step twice).
+        for ss in steps.values():
+            assert [s.step for s in ss if s.model == model_of("unfreeze")] == list(range(STEPS))
     desyncs = {f["evidence"]["model"]: f for f in of_kind(doc, "desync")}
     if "bufs" not in shapes:
         assert desyncs == {}, brief(list(desyncs.values()))

@@ -37,6 +37,9 @@ checks: each is a correct script, so ddpscope must raise nothing about it.
   ``set_epoch`` every epoch; with ``--persistent-workers`` its workers are kept
   across epochs and never see that epoch (every epoch replays the first: the
   ``repeated_epoch`` fault, not a healthy shape);
+- ``unfreeze``: transfer learning's recipe: the first layer frozen for the first
+  epoch, then unfrozen and the layers wrapped in a new DDP model (DDP reads
+  ``requires_grad`` once, when it is built), attached again, the optimizer kept;
 - ``save``: rank 0 saves a checkpoint every 20 steps behind a barrier, as
   tutorials show; with ``--slow-save-s S`` the first save waits S seconds before
   it writes, as on slow network storage, and with ``--eval-s S`` rank 0 also
@@ -77,7 +80,7 @@ import ddpscope
 
 SHAPES = (
     "bufs", "zero", "twice", "unused", "gan", "save", "repaug", "localsgd", "dp2d", "weighted",
-    "endless", "stream",
+    "endless", "stream", "unfreeze",
 )  # fmt: skip
 
 
@@ -257,7 +260,10 @@ def train(shape: str, args: argparse.Namespace, rank: int, world: int) -> int:
     elif shape == "unused":
         model = DDP(TwoHeads(), find_unused_parameters=True)
     else:
-        model = DDP(mlp(256), process_group=dp_group)
+        net = mlp(256)
+        if shape == "unfreeze":
+            net[0].requires_grad_(False)
+        model = DDP(net, process_group=dp_group)
     ddpscope.attach(model)
     averager = None
     if shape == "localsgd":
@@ -279,6 +285,10 @@ def train(shape: str, args: argparse.Namespace, rank: int, world: int) -> int:
     endless = iter(loader) if shape == "endless" else None
     per_epoch = len(data) // world // args.batch
     for epoch in range(args.epochs):
+        if shape == "unfreeze" and epoch == 1:
+            model.module.requires_grad_(True)
+            model = DDP(model.module)
+            ddpscope.attach(model)
         if stream is not None:
             stream.set_epoch(epoch)
         elif endless is None and not args.no_set_epoch:
