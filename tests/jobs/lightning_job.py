@@ -145,8 +145,26 @@ def main() -> None:
     p.add_argument("--inner-set-epoch", action="store_true")
     p.add_argument("--val-samples", type=int, default=0, help="validate each epoch on N samples")
     p.add_argument("--callback", action="store_true", help="attach with ddpscope's callback")
+    p.add_argument(
+        "--fits",
+        type=int,
+        default=1,
+        help="fit the module this many times, each with a new Trainer (a second stage): "
+        "each fit wraps the same layers in a new DDP model",
+    )
     args = p.parse_args()
     torch.manual_seed(0)
+    model = Manual(args) if args.mode == "manual" else Auto(args)
+    if args.val_samples:
+        model = Validated(args)
+    for _ in range(args.fits):
+        trainer = fit(args, model)
+    trainer.strategy.barrier()
+    if trainer.global_rank == 0:
+        print(f"done: {trainer.global_step} optimizer steps", flush=True)
+
+
+def fit(args: argparse.Namespace, model: pl.LightningModule) -> pl.Trainer:
     callbacks: list[pl.Callback] = []
     if args.slow_in == "callback":
         callbacks.append(SlowCallback(args.slow_rank, args.slow_ms))
@@ -168,13 +186,8 @@ def main() -> None:
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = Manual(args) if args.mode == "manual" else Auto(args)
-    if args.val_samples:
-        model = Validated(args)
     trainer.fit(model)
-    trainer.strategy.barrier()
-    if trainer.global_rank == 0:
-        print(f"done: {trainer.global_step} optimizer steps", flush=True)
+    return trainer
 
 
 if __name__ == "__main__":
