@@ -36,6 +36,7 @@ from ddpscope.analysis.snapshot import (
     ThreadStack,
 )
 from ddpscope.analysis.state import RankView, RunState
+from ddpscope.analysis.wording import first_few
 from ddpscope.schema import WAITING_PHASES, Heartbeat, Stacks, Step
 
 #: Step times kept per rank for the sparklines (about 12 s at 10 steps/s).
@@ -464,8 +465,7 @@ def fingerprint_status(run: RunState, rank: int) -> str:
 
 
 def _rank_list(ranks: Sequence[int]) -> str:
-    shown = ", ".join(str(r) for r in ranks[:8])
-    return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return first_few(ranks)
 
 
 def _stacks_view(msg: Stacks, rx_age_s: float) -> StacksView:

@@ -7,7 +7,7 @@ and a report, whatever wrote it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 # Re-exported: findings that print seconds take the unit with the words.
@@ -29,6 +29,12 @@ def ranks_text(ranks: Iterable[int]) -> str:
             out += [str(x) for x in items[i : j + 1]]
         i = j + 1
     return ", ".join(out)
+
+
+def first_few(items: Sequence[object], limit: int = 8) -> str:
+    """``["a", "b", "c", "d"]``, 2 -> ``"a, b and 2 more"``: a long list quoted in a line."""
+    text = ", ".join(str(x) for x in items[:limit])
+    return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 def ranks_phrase(ranks: Iterable[int]) -> str:

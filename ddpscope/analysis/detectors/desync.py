@@ -53,6 +53,7 @@ from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
+from ddpscope.analysis.wording import first_few
 from ddpscope.schema import DDP_API_REPLICATE, Collectives, End, Fingerprint, Message, Step
 
 KIND = "desync"
@@ -346,12 +347,10 @@ class DesyncDetector:
         model, step = at
         key = _key(what, model)
         names = run.tensor_names(what, model)
-        label = [names[i] if i < len(names) else f"{what}[{i}]" for i in diff.indices]
+        label = run.tensor_labels(what, model, diff.indices)
         one, many = _WHAT[what]
         noun = one if len(label) == 1 else many
-        quoted = ", ".join(label[:NAMES_IN_MESSAGE])
-        if len(label) > NAMES_IN_MESSAGE:
-            quoted += f" and {len(label) - NAMES_IN_MESSAGE} more"
+        quoted = first_few(label, NAMES_IN_MESSAGE)
         if diff.ambiguous and len(ranks) == 2:
             who = (
                 f"rank {ranks[1]} differs from rank {ranks[0]}, the reference (with 2 ranks no "
@@ -473,5 +472,4 @@ def _is_norm_stat(name: str) -> bool:
 
 
 def _list(ranks: list[int], limit: int = 8) -> str:
-    text = ", ".join(str(r) for r in ranks[:limit])
-    return text + (f" and {len(ranks) - limit} more" if len(ranks) > limit else "")
+    return first_few(ranks, limit)

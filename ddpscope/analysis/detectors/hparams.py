@@ -37,6 +37,7 @@ from typing import Any
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
+from ddpscope.analysis.wording import first_few
 from ddpscope.schema import HParams, Message
 
 KIND = "hyperparam_mismatch"
@@ -348,7 +349,4 @@ def _key_name(memo: _Memo, key: Key) -> str:
 
 
 def _ranks(ranks: list[int], limit: int = 8) -> str:
-    text = ", ".join(str(r) for r in ranks[:limit])
-    if len(ranks) > limit:
-        text += f" and {len(ranks) - limit} more"
-    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+    return f"rank{'s' if len(ranks) > 1 else ''} {first_few(ranks, limit)}"
