@@ -104,6 +104,27 @@ def test_lightning_validation_that_distributedsampler_pads_is_info_and_nothing_e
     assert {r: len(ss) for r, ss in steps_of(rec).items()} == {0: 16, 1: 16}  # 8 an epoch
 
 
+def test_a_lightning_run_whose_weights_diverge_is_named_not_finite_and_nothing_else(
+    tmp_path: Path, endpoint: str
+) -> None:
+    # A learning rate of 1e12: the loss overflows within a few steps and the averaged
+    # gradients make every replica NaN alike, so no desync says it; the weight check does.
+    rec = record(
+        tmp_path, endpoint, LIGHTNING, "--lr", "1e12", "--epochs", "2", DDPSCOPE_CHECKSUM_EVERY="4"
+    )
+    doc = report(rec)
+    (f,) = serious(doc)
+    assert (f["kind"], f["severity"], f["ranks"]) == ("nonfinite_weights", "error", [0, 1]), brief(
+        [f]
+    )
+    ev = f["evidence"]
+    # Named at the first check that saw it, with the last one that found them finite.
+    assert set(ev["since_step"].values()) == {f["step"]} and f["step"] <= 16, ev
+    assert all(0 <= s < f["step"] for s in ev["last_finite_step"].values()), ev
+    assert ev["count"] == 6 and "net.0.weight" in ev["names"], ev
+    assert "Every rank's weights are no longer finite" in f["message"]
+
+
 def test_lightning_launching_its_own_ranks_is_watched_without_torchrun(
     tmp_path: Path, endpoint: str
 ) -> None:

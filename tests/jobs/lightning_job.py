@@ -68,7 +68,7 @@ class Auto(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=self.args.lr, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
         # shuffle=True: Lightning replaces this sampler by a DistributedSampler.
@@ -137,6 +137,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--lr", type=float, default=0.05, help="SGD's; 1e12 diverges in a few steps")
     p.add_argument("--slow-rank", type=int, default=1)
     p.add_argument("--slow-ms", type=float, default=0)
     p.add_argument(
