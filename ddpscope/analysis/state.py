@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,11 +188,6 @@ class RunState:
             if info is not None:
                 return [str(entry[0]) for entry in getattr(info, attr)]
         return []
-
-    def tensor_labels(self, attr: str, model: int, indices: Iterable[int]) -> list[str]:
-        """``indices`` into ``model``'s ``attr`` by name, ``attr[i]`` where none is known."""
-        names = self.tensor_names(attr, model)
-        return [names[i] if 0 <= i < len(names) else f"{attr}[{i}]" for i in indices]
 
     def complete_steps(self) -> list[int]:
         """Step indices every known rank has reported, oldest first."""

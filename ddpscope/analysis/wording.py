@@ -37,6 +37,12 @@ def first_few(items: Sequence[object], limit: int = 8) -> str:
     return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
+def tensor_labels(names: Sequence[str], attr: str, indices: Iterable[int]) -> list[str]:
+    """``indices`` into a model's ``attr`` ("params", "buffers") by name (``names``, from
+    ``RunState.tensor_names``), ``attr[i]`` where none is known."""
+    return [names[i] if 0 <= i < len(names) else f"{attr}[{i}]" for i in indices]
+
+
 def ranks_phrase(ranks: Iterable[int]) -> str:
     """``[3]`` -> ``"rank 3"``, ``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
     items = sorted(set(ranks))

@@ -53,7 +53,7 @@ from ddpscope.analysis.dpgroups import by_group
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
-from ddpscope.analysis.wording import first_few
+from ddpscope.analysis.wording import first_few, tensor_labels
 from ddpscope.schema import DDP_API_REPLICATE, Collectives, End, Fingerprint, Message, Step
 
 KIND = "desync"
@@ -347,7 +347,7 @@ class DesyncDetector:
         model, step = at
         key = _key(what, model)
         names = run.tensor_names(what, model)
-        label = run.tensor_labels(what, model, diff.indices)
+        label = tensor_labels(names, what, diff.indices)
         one, many = _WHAT[what]
         noun = one if len(label) == 1 else many
         quoted = first_few(label, NAMES_IN_MESSAGE)

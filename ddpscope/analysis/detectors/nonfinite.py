@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from ddpscope.analysis.findings import Finding, FindingBook
 from ddpscope.analysis.protocol import LIVE, Mode
 from ddpscope.analysis.state import RunState
-from ddpscope.analysis.wording import cap, first_few, ranks_phrase
+from ddpscope.analysis.wording import cap, first_few, ranks_phrase, tensor_labels
 from ddpscope.schema import Fingerprint, Message
 
 KIND = "nonfinite_weights"
@@ -109,7 +109,7 @@ class NonFiniteWeightsDetector:
         named = {r: v for r, v in sorted(ranks.items()) if v.named}
         first = min(named.values(), key=lambda v: v.since)
         names = run.tensor_names("params", model)
-        label = run.tensor_labels("params", model, first.indices)
+        label = tensor_labels(names, "params", first.indices)
         quoted = first_few(label, NAMES_IN_MESSAGE)
         of = f" of {len(names)}" if names else ""
         noun = "parameter holds" if len(label) == 1 else "parameters hold"
