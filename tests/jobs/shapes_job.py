@@ -189,12 +189,7 @@ def cnn() -> nn.Module:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument(
-        "--shape",
-        required=True,
-        help="a shape, or several separated by commas: trained one after another, each "
-        "with a model, optimizer, sampler and loader of its own, in one process group",
-    )
+    p.add_argument("--shape", choices=SHAPES, required=True)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch", type=int, default=32)
@@ -203,13 +198,9 @@ def main() -> None:
     p.add_argument("--no-set-epoch", action="store_true", help="repaug: forget set_epoch()")
     p.add_argument("--persistent-workers", action="store_true", help="stream: keep its workers")
     args = p.parse_args()
-    shapes = args.shape.split(",")
-    for shape in shapes:
-        if shape not in SHAPES:
-            p.error(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    steps = sum(train(shape, args, rank, world) for shape in shapes)
+    steps = train(args.shape, args, rank, world)
     print(f"done: {rank} ({steps} steps, world {world})", flush=True)
     dist.destroy_process_group()
 
