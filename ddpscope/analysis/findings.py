@@ -151,12 +151,15 @@ class FindingBook:
 
     def set_severity(self, finding: Finding, severity: str) -> None:
         """A detector's own level for its finding, up or down; a cause's cap still holds."""
+        before = finding.severity
         link = self._links.get((finding.kind, finding.key))
         if link is None:
             finding.severity = severity
-            return
-        link.own_severity = severity
-        _show(finding, link)
+        else:
+            link.own_severity = severity
+            _show(finding, link)
+        if finding.severity != before:
+            self.changed(finding)
 
     # --- consequences --------------------------------------------------------
 

@@ -118,21 +118,6 @@ def _judged_windows(rec: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return said
 
 
-def _renamed(f: Finding) -> bool:
-    """A straggler named on a first window misread, renamed at a later one.
-
-    Beside two or three of the suite's jobs and a busy loop, a starved run was
-    named a straggler at step 16 in one of ~65 runs (and in 2 of 5 clean-clone
-    CI runs before the detector judged a straggler again at each refresh). The
-    finding then follows the evidence: closed and renamed ``cpu_contention``
-    once the run queue explains the rank's extra own work. That is allowed
-    here; a straggler still named at the end is not.
-    """
-    return (
-        f.kind == "straggler" and not f.active and f.evidence.get("renamed_to") == "cpu_contention"
-    )
-
-
 def _starved_alone(steps: dict[int, list[Step]], found: list[Finding]) -> bool:
     """Whether the host starved rank 1 and left rank 0 be: the case under test.
 
@@ -185,7 +170,10 @@ def test_a_rank_starved_of_cpu_for_real_is_not_named_a_straggler(
     # Without the readings it passes for a straggler: the false alarm this removes.
     blind = _without_readings(rec)
     assert [(f.kind, f.ranks) for f in blind] == [("straggler", [1])], _brief(blind)
-    loud = [f for f in found if severity_at_least(f.severity, "warning") and not _renamed(f)]
+    # Beside two or three of the suite's jobs and a busy loop, a starved run was named
+    # a straggler at step 16 in one of ~65 runs; renamed cpu_contention once the run
+    # queue explained it, that straggler is closed at info and is not loud here.
+    loud = [f for f in found if severity_at_least(f.severity, "warning")]
     if loud:
         # In full: CI keeps the log, and pytest would cut a long assertion message.
         brief = _steps_brief(steps)

@@ -92,6 +92,16 @@ def test_the_link_survives_the_detectors_updates_and_can_be_undone() -> None:
     assert c.to_json()["cause"] is None and book.links() == {}
 
 
+def test_a_detector_changing_its_findings_level_is_a_change_a_ui_redraws_for() -> None:
+    book = FindingBook()
+    f = book.raise_or_update("1", finding("straggler", severity="warning"))
+    v = book.version
+    book.set_severity(f, "warning")  # the same level: nothing to redraw
+    assert book.version == v
+    book.set_severity(f, "info")
+    assert f.severity == "info" and book.version > v
+
+
 def test_only_existing_findings_are_linked() -> None:
     book = FindingBook()
     book.raise_or_update("stuck", finding("rank0_only_collective"))

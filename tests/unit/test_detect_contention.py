@@ -174,7 +174,8 @@ def test_a_straggler_whose_later_windows_are_run_queue_wait_is_renamed_contentio
     analysis = analyse(2, 200, slow, late_wait)
     assert sorted(kinds(analysis)) == [
         ("cpu_contention", "info", [SLOW], True),
-        ("straggler", "warning", [SLOW], False),
+        # Closed at the contention's level: the host's doing, not a warning on the job.
+        ("straggler", "info", [SLOW], False),
     ]
     (named,) = findings(analysis, "straggler")
     (renamed,) = findings(analysis, "cpu_contention")

@@ -509,6 +509,11 @@ class StragglerDetector:
         if starved:
             flag.evidence["renamed_to"] = contention.KIND
             flag.message = contention.renamed(r, flag.first_step, step)
+            # What it turned out to be is the host's doing, at the contention's level:
+            # a report gated on warnings must not fail a healthy job on a busy host.
+            closed = self._raise(r, flag, step, book, active=False)
+            book.set_severity(closed, contention.SEVERITY)
+            return
         elif flag.kind == contention.KIND:
             flag.message = contention.recovered(r, flag.host, flag.first_step, step)
         else:
@@ -519,8 +524,8 @@ class StragglerDetector:
             )
         self._raise(r, flag, step, book, active=False)
 
-    def _raise(self, r: int, flag: _Flag, step: int, book: FindingBook, *, active: bool) -> None:
-        book.raise_or_update(
+    def _raise(self, r: int, flag: _Flag, step: int, book: FindingBook, *, active: bool) -> Finding:
+        return book.raise_or_update(
             str(r),
             Finding(
                 kind=flag.kind,
