@@ -54,9 +54,12 @@ def main() -> None:
             dcp.save(
                 {"model": model.module.state_dict()}, checkpoint_id=f"{args.checkpoint}/s{step}"
             )
-            print(f"rank {rank} saved step {step} in {time.monotonic() - t0:.1f} s", flush=True)
+            # One write per line (end=""): the ranks share torchrun's stdout unbuffered,
+            # where print's text and newline are two writes another rank's can split.
+            took = time.monotonic() - t0
+            print(f"rank {rank} saved step {step} in {took:.1f} s\n", end="", flush=True)
     dist.barrier()
-    print(f"done: {rank}", flush=True)
+    print(f"done: {rank}\n", end="", flush=True)
     dist.destroy_process_group()
 
 

@@ -62,11 +62,13 @@ def main() -> None:
                 t0 = time.monotonic()
                 status = pool.submit(upload, args.url, body).result()
                 took = time.monotonic() - t0
-                print(f"rank 0 uploaded step {step}: {status} in {took:.1f} s", flush=True)
+                # One write per line (end=""): rank 1 shares torchrun's stdout unbuffered.
+                line = f"rank 0 uploaded step {step}: {status} in {took:.1f} s\n"
+                print(line, end="", flush=True)
             dist.barrier()
     dist.barrier()
     pool.shutdown()
-    print(f"done: {rank}", flush=True)
+    print(f"done: {rank}\n", end="", flush=True)
     dist.destroy_process_group()
 
 
