@@ -185,6 +185,66 @@ def test_a_straggler_whose_later_windows_are_run_queue_wait_is_renamed_contentio
     assert renamed.evidence["on_cpu_ratio"] < 1.15
 
 
+def starved_for(steps: int, seed: int) -> Callable[[int, int], Phases]:
+    """Rank SLOW twice as slow from ONSET for ``steps`` steps, then back to pace."""
+    slow, base = straggler(noisy(seed), SLOW, start=ONSET, factor=2.0), noisy(seed)
+    return lambda r, step: slow(r, step) if step < ONSET + steps else base(r, step)
+
+
+def lagging(by: int, until: int) -> Callable[[Step], int]:
+    """starved(until)'s wait as readings ``by`` steps late show it: the first slow
+    steps carry none, the first steps back at pace carry the rest."""
+
+    def wait(s: Step) -> int:
+        if s.rank == SLOW and ONSET <= s.step - by < until:
+            return own(s) // 2
+        return own(s) // 20
+
+    return wait
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_starvation_named_a_straggler_that_ends_before_the_next_refresh_is_renamed(
+    seed: int,
+) -> None:
+    # 18 starved steps, readings 8 steps late: the window that names the rank holds
+    # little of its wait, and it keeps pace again before a refresh could rename it.
+    # Judged whole on recovering, the episode is the run queue's (before: a straggler
+    # warning on a healthy job, as on the suite's busy 2-core machine).
+    analysis = analyse(2, 150, starved_for(18, seed), lagging(8, ONSET + 18))
+    assert sorted(kinds(analysis)) == [
+        ("cpu_contention", "info", [SLOW], False),
+        ("straggler", "info", [SLOW], False),
+    ]
+    (named,) = findings(analysis, "straggler")
+    (renamed,) = findings(analysis, "cpu_contention")
+    assert named.evidence["renamed_to"] == "cpu_contention"
+    ev = renamed.evidence  # the rename's margins, over the episode from before its onset
+    assert ev["on_cpu_ratio"] < 1.15 or ev["explained_pct"] >= 95
+    assert ev["window"][0] < ONSET
+    assert "keeps pace with the other ranks again" in renamed.message
+    # The same episode with no extra wait in it stays a straggler, closed.
+    plain = analyse(2, 150, starved_for(18, seed), busy_host)
+    assert kinds(plain) == [("straggler", "warning", [SLOW], False)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_run_ending_while_a_starved_rank_is_named_a_straggler_names_the_contention(
+    seed: int,
+) -> None:
+    # Readings every 15 steps, the run over 6 steps after the rank was named: no
+    # refresh came. At the end its whole episode is judged, as a refresh would.
+    steps = ONSET + 18
+    msgs = with_run_queue([*run_infos(2), *lockstep(2, steps, starved_for(10**6, seed))], starved())
+    analysis = feed(Analysis(detectors=[StragglerDetector()]), read_every(msgs, 15))
+    assert [k for k, *_ in kinds(analysis)] == ["straggler"]  # the window that named it
+    analysis.finish()
+    assert sorted(kinds(analysis)) == [
+        ("cpu_contention", "info", [SLOW], True),
+        ("straggler", "info", [SLOW], False),
+    ]
+
+
 def test_steps_without_run_queue_readings_keep_the_straggler() -> None:
     """Recordings from before the field, or a rank on macOS: -1 on every step."""
     slow = straggler(noisy(7), SLOW, start=ONSET, factor=2.0)

@@ -76,7 +76,8 @@ CPU, is starved by its host, not a straggler of the job's making: it is raised
 as an info ``cpu_contention`` finding instead (the rule and its reasons:
 ``contention.py``). Each is judged again whenever its evidence is refreshed,
 and renamed either way when the run queue comes to explain its extra own work
-(with a CPU pace under ``release``) or stops explaining it. Seen on the 2-core
+(with a CPU pace under ``release``) or stops explaining it; a straggler's
+whole episode is judged so once more when it keeps pace again or the run ends. Seen on the 2-core
 test machine under load: the rank that got less CPU ran backward 2-4x slower
 for 0.6-3 s, long enough to pass every test above. Measured on synthetic
 lockstep runs (~100 ms steps, ±30% jitter per rank, step and phase, 3% 3x
@@ -90,6 +91,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -113,6 +115,8 @@ from ddpscope.analysis.waits import bucket_waits, median_without, own_ns
 from ddpscope.schema import Message, Step
 
 KIND = "straggler"
+#: The most samples of a flagged rank's episode kept for judging it whole.
+EPISODE = 256
 
 
 @dataclass
@@ -129,6 +133,9 @@ class _Flag:
     #: What the slow rank is named: a straggler, or a rank starved of CPU.
     kind: str = KIND
     host: str = ""
+    #: Its samples since the window that named it (the last EPISODE): judged whole
+    #: for starvation when it recovers or the run ends, before a window said so.
+    episode: deque[Sample] = field(default_factory=lambda: deque(maxlen=EPISODE))
 
 
 @dataclass
@@ -208,7 +215,14 @@ class StragglerDetector:
         self._memos.pop(run_id, None)
 
     def finish(self, run: RunState, book: FindingBook) -> None:
-        self.tick(run, book)
+        memo = self._memos.get(run.run_id)
+        if memo is None:
+            return
+        for r, flag in list(memo.flagged.items()):
+            win = memo.windows.get(r)
+            if flag.kind == KIND and flag.episode and win is not None and win.samples:
+                step = flag.episode[-1].step
+                self._starved_all_along(run, memo, r, self._verdict(win), step, flag, book)
 
     def observe(self, run: RunState, msg: Message, book: FindingBook) -> None:
         if not isinstance(msg, Step) or msg.step < self.warmup:
@@ -290,6 +304,9 @@ class StragglerDetector:
                 long = LongView(self.steady_steps, self.min_span_ns, self.max_window)
                 memo.steady[r] = long
             long.push(sample)
+            flag = memo.flagged.get(r)
+            if flag is not None:
+                flag.episode.append(sample)
             n = len(win.samples)
             quiet = n < self.min_steps or win.span < self.min_span_ns or win.slow < self.persist * n
             if quiet and r not in memo.flagged and not long.mostly_slow(self.steady_persist):
@@ -319,12 +336,14 @@ class StragglerDetector:
             else:
                 return
             flag = memo.flagged[r] = _Flag(step, step, onset=onset)
+            flag.episode.extend(win.samples)
             self._name(run, r, win, v, step, flag, book)
             return
         if v.ratio < self.release:
             del memo.flagged[r]
             memo.steady[r].clear()  # named again only after a fresh long view
-            self._recovered(r, v, step, flag, book)
+            if not self._starved_all_along(run, memo, r, v, step, flag, book):
+                self._recovered(r, v, step, flag, book)
             return
         starved = None
         due = step - flag.last_evidence_step >= self.evidence_every
@@ -342,7 +361,8 @@ class StragglerDetector:
             flag = memo.flagged[r] = _Flag(
                 step, step, onset=onset_of(win, self.persist), kind=contention.KIND
             )
-            self._report_starved(run, r, win, step, flag, starved, book)
+            flag.episode.extend(win.samples)
+            self._report_starved(run, r, win.samples, step, flag, starved, book)
             return
         # Undecided (the other ranks starved through a window too) keeps the name
         # a starved rank has; a window at the end of a starved run read so and
@@ -352,6 +372,7 @@ class StragglerDetector:
             # contention finding and name the straggler from here on.
             self._recovered(r, v, step, flag, book)
             flag = memo.flagged[r] = _Flag(step, step, onset=onset_of(win, self.persist))
+            flag.episode.extend(win.samples)
             self._report(run, r, win, v, step, flag, book)
             return
         if due:
@@ -359,7 +380,39 @@ class StragglerDetector:
             if flag.kind == KIND:
                 self._report(run, r, win, v, step, flag, book)
             elif isinstance(starved, contention.Starved):
-                self._report_starved(run, r, win, step, flag, starved, book)
+                self._report_starved(run, r, win.samples, step, flag, starved, book)
+
+    def _starved_all_along(
+        self,
+        run: RunState,
+        memo: _Memo,
+        r: int,
+        v: _Verdict,
+        step: int,
+        flag: _Flag,
+        book: FindingBook,
+    ) -> bool:
+        """Renames a straggler whose whole episode the run queue explains (the rename's
+        margins), when it keeps pace again or the run ends before a refresh did: with
+        readings late, the window that named a starved rank can hold little of its wait.
+        """
+        if flag.kind != KIND or len(flag.episode) < self.min_steps:
+            return False
+        samples = list(flag.episode)
+        starved = self._starved(run, r, samples)
+        if not isinstance(starved, contention.Starved) or not contention.clearly_starved(
+            starved, self.release
+        ):
+            return False
+        self._recovered(r, v, step, flag, book, starved=True)
+        renamed = _Flag(flag.first_step, step, onset=flag.onset, kind=contention.KIND)
+        renamed.epoch = flag.epoch
+        self._report_starved(run, r, samples, step, renamed, starved, book)
+        if r in memo.flagged:  # the run ended with it still slow: it stays raised
+            memo.flagged[r] = renamed
+        else:
+            self._recovered(r, v, step, renamed, book)
+        return True
 
     def _steady(self, long: LongView, v: _Verdict) -> bool:
         """The long view's rule (ratios.py): a smaller ratio held on nearly every step,
@@ -393,12 +446,12 @@ class StragglerDetector:
             self._report(run, r, win, v, step, flag, book)
         else:
             flag.kind = contention.KIND
-            self._report_starved(run, r, win, step, flag, starved, book)
+            self._report_starved(run, r, win.samples, step, flag, starved, book)
 
     def _starved(
-        self, run: RunState, r: int, win: Window
+        self, run: RunState, r: int, win: Window | Sequence[Sample]
     ) -> contention.Starved | contention.Undecided | None:
-        samples = win.samples
+        samples = win.samples if isinstance(win, Window) else win
         steps = [x.step for x in samples]
         own = [x.own for x in samples]
         ref = [x.ref for x in samples]
@@ -408,16 +461,16 @@ class StragglerDetector:
         self,
         run: RunState,
         r: int,
-        win: Window,
+        samples: Sequence[Sample],
         step: int,
         flag: _Flag,
         starved: contention.Starved,
         book: FindingBook,
     ) -> None:
-        first, last = win.samples[0].step, win.samples[-1].step
+        first, last = samples[0].step, samples[-1].step
         ev = contention.evidence(r, starved, first, last)
         ev["detected_step"] = flag.first_step
-        context = evidence(run, r, [s.step for s in win.samples])
+        context = evidence(run, r, [s.step for s in samples])
         ev["phases_ms"], ev["grown_phases"] = context["phases_ms"], context["grown_phases"]
         ev.update(host(run, r))
         flag.host = starved.host
