@@ -179,14 +179,22 @@ def test_run_stops_what_a_torchrun_jobs_ranks_left_running(tmp_path: Path) -> No
 
 
 def test_the_dataloader_workers_of_a_killed_process_are_named_as_such(tmp_path: Path) -> None:
-    # SIGKILL leaves a process's DataLoader workers orphaned: torch's watchdog ends
-    # them only seconds later. They show the killed process's command line; torch
-    # names their main thread, which is how the line can say what they are.
+    # SIGKILL leaves a process's DataLoader workers orphaned. They show the killed
+    # process's command line; torch names their main thread, which is how the line
+    # can say what they are. Each is busy in a slow batch: an idle worker's watchdog
+    # ends it within 5 s, before a sweep on a loaded host (one of two, in a CI run).
     code = textwrap.dedent(
         """
-        import os, signal, torch
-        from torch.utils.data import DataLoader
-        it = iter(DataLoader(list(range(64)), batch_size=4, num_workers=2))
+        import os, signal, time, torch
+        from torch.utils.data import DataLoader, Dataset
+        class Slow(Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                if i >= 8:
+                    time.sleep(120)
+                return i
+        it = iter(DataLoader(Slow(), batch_size=4, num_workers=2))
         next(it)
         os.kill(os.getpid(), signal.SIGKILL)
         """
