@@ -52,12 +52,14 @@ def noisy(seed: int, base: Phases = BASE) -> Callable[[int, int], Phases]:
     return healthy(random.Random(seed), base, jitter=0.3, spike_p=0.03, spike=3.0)
 
 
-def starved(until: int = 10**9) -> Callable[[Step], int]:
+def starved(until: int = 10**9, late: int = 0) -> Callable[[Step], int]:
     """Rank SLOW gets half a CPU from ONSET on: half its (doubled) own work is run-queue
-    wait; every rank waits 5% of its own work anyway (a busy host)."""
+    wait; every rank waits 5% of its own work anyway (a busy host). With readings
+    ``late`` steps behind, the first slow steps carry none of it, the first steps after
+    ``until`` the rest."""
 
     def wait(s: Step) -> int:
-        if s.rank == SLOW and ONSET <= s.step < until:
+        if s.rank == SLOW and ONSET <= s.step - late < until:
             return own(s) // 2
         return own(s) // 20
 
@@ -191,18 +193,6 @@ def starved_for(steps: int, seed: int) -> Callable[[int, int], Phases]:
     return lambda r, step: slow(r, step) if step < ONSET + steps else base(r, step)
 
 
-def lagging(by: int, until: int) -> Callable[[Step], int]:
-    """starved(until)'s wait as readings ``by`` steps late show it: the first slow
-    steps carry none, the first steps back at pace carry the rest."""
-
-    def wait(s: Step) -> int:
-        if s.rank == SLOW and ONSET <= s.step - by < until:
-            return own(s) // 2
-        return own(s) // 20
-
-    return wait
-
-
 @pytest.mark.parametrize("seed", [1, 3])
 def test_starvation_named_a_straggler_that_ends_before_the_next_refresh_is_renamed(
     seed: int,
@@ -211,7 +201,7 @@ def test_starvation_named_a_straggler_that_ends_before_the_next_refresh_is_renam
     # little of its wait, and it keeps pace again before a refresh could rename it.
     # Judged whole on recovering, the episode is the run queue's (before: a straggler
     # warning on a healthy job, as on the suite's busy 2-core machine).
-    analysis = analyse(2, 150, starved_for(18, seed), lagging(8, ONSET + 18))
+    analysis = analyse(2, 150, starved_for(18, seed), starved(until=ONSET + 18, late=8))
     assert sorted(kinds(analysis)) == [
         ("cpu_contention", "info", [SLOW], False),
         ("straggler", "info", [SLOW], False),
@@ -232,7 +222,7 @@ def test_starvation_named_a_straggler_that_ends_before_the_next_refresh_is_renam
 def test_a_run_ending_while_a_starved_rank_is_named_a_straggler_names_the_contention(
     seed: int,
 ) -> None:
-    # Readings every 15 steps, the run over 6 steps after the rank was named: no
+    # Readings every 15 steps, the run over a few steps after the rank was named: no
     # refresh came. At the end its whole episode is judged, as a refresh would.
     steps = ONSET + 18
     msgs = with_run_queue([*run_infos(2), *lockstep(2, steps, starved_for(10**6, seed))], starved())

@@ -133,8 +133,8 @@ class _Flag:
     #: What the slow rank is named: a straggler, or a rank starved of CPU.
     kind: str = KIND
     host: str = ""
-    #: Its samples since the window that named it (the last EPISODE): judged whole
-    #: for starvation when it recovers or the run ends, before a window said so.
+    #: A straggler's samples since the window that named it (the last EPISODE): judged
+    #: whole for starvation when it recovers or the run ends, before a window said so.
     episode: deque[Sample] = field(default_factory=lambda: deque(maxlen=EPISODE))
 
 
@@ -305,11 +305,11 @@ class StragglerDetector:
                 memo.steady[r] = long
             long.push(sample)
             flag = memo.flagged.get(r)
-            if flag is not None:
+            if flag is not None and flag.kind == KIND:
                 flag.episode.append(sample)
             n = len(win.samples)
             quiet = n < self.min_steps or win.span < self.min_span_ns or win.slow < self.persist * n
-            if quiet and r not in memo.flagged and not long.mostly_slow(self.steady_persist):
+            if quiet and flag is None and not long.mostly_slow(self.steady_persist):
                 continue  # cheap screen: most ranks stop here
             self._judge(run, memo, r, win, step, book)
 
@@ -349,7 +349,7 @@ class StragglerDetector:
         due = step - flag.last_evidence_step >= self.evidence_every
         # Checked as often as the evidence is refreshed: O(window x ranks) a time.
         if due:
-            starved = self._starved(run, r, win)
+            starved = self._starved(run, r, win.samples)
         if (
             flag.kind == KIND
             and isinstance(starved, contention.Starved)
@@ -361,7 +361,6 @@ class StragglerDetector:
             flag = memo.flagged[r] = _Flag(
                 step, step, onset=onset_of(win, self.persist), kind=contention.KIND
             )
-            flag.episode.extend(win.samples)
             self._report_starved(run, r, win.samples, step, flag, starved, book)
             return
         # Undecided (the other ranks starved through a window too) keeps the name
@@ -441,7 +440,7 @@ class StragglerDetector:
         book: FindingBook,
     ) -> None:
         """A rank found slow: a straggler, unless it was waiting for a CPU."""
-        starved = self._starved(run, r, win)
+        starved = self._starved(run, r, win.samples)
         if not isinstance(starved, contention.Starved):
             self._report(run, r, win, v, step, flag, book)
         else:
@@ -449,9 +448,8 @@ class StragglerDetector:
             self._report_starved(run, r, win.samples, step, flag, starved, book)
 
     def _starved(
-        self, run: RunState, r: int, win: Window | Sequence[Sample]
+        self, run: RunState, r: int, samples: Sequence[Sample]
     ) -> contention.Starved | contention.Undecided | None:
-        samples = win.samples if isinstance(win, Window) else win
         steps = [x.step for x in samples]
         own = [x.own for x in samples]
         ref = [x.ref for x in samples]
@@ -562,11 +560,6 @@ class StragglerDetector:
         if starved:
             flag.evidence["renamed_to"] = contention.KIND
             flag.message = contention.renamed(r, flag.first_step, step)
-            # What it turned out to be is the host's doing, at the contention's level:
-            # a report gated on warnings must not fail a healthy job on a busy host.
-            closed = self._raise(r, flag, step, book, active=False)
-            book.set_severity(closed, contention.SEVERITY)
-            return
         elif flag.kind == contention.KIND:
             flag.message = contention.recovered(r, flag.host, flag.first_step, step)
         else:
@@ -575,7 +568,11 @@ class StragglerDetector:
                 f"up to {_times(flag.peak)} the other ranks'); it has caught up "
                 f"({_times(v.ratio)} now)."
             )
-        self._raise(r, flag, step, book, active=False)
+        closed = self._raise(r, flag, step, book, active=False)
+        if starved:
+            # What it turned out to be is the host's doing, at the contention's level:
+            # a report gated on warnings must not fail a healthy job on a busy host.
+            book.set_severity(closed, contention.SEVERITY)
 
     def _raise(self, r: int, flag: _Flag, step: int, book: FindingBook, *, active: bool) -> Finding:
         return book.raise_or_update(
